@@ -1,0 +1,19 @@
+"""Framework-free pieces of the NSA contract shared by `nsa_jax` and `nsa_torch_ref`.
+
+Nothing here imports torch or jax, so either framework can be used without the other.
+"""
+from nsa_common.config import NSAConfig
+from nsa_common.layout import (
+    decode_read_bound,
+    num_cmp_blocks,
+    num_sel_blocks,
+    overlap_weights,
+)
+
+__all__ = [
+    "NSAConfig",
+    "decode_read_bound",
+    "num_cmp_blocks",
+    "num_sel_blocks",
+    "overlap_weights",
+]
