@@ -6,3 +6,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+import contextlib
+
+import pytest
+
+
+@contextlib.contextmanager
+def enable_x64():
+    """float64 in JAX for the duration (jax >= 0.10 has `jax.enable_x64`; older, `experimental`)."""
+    import jax
+    context = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
+    with context(True):
+        yield
+
+
+@pytest.fixture
+def x64():
+    with enable_x64():
+        yield

@@ -1,0 +1,351 @@
+"""The reference ("packed SDPA / gather") path of NSA's kernel-level functions (shared/NSA_SPEC.md).
+
+Every function takes BTHD tensors (`[B, T, heads, dim]`), computes scores and softmax in float32
+(float64 when the inputs are float64, so tests and `gradcheck` can run exactly) and returns the
+dtype of `q`. Queries are processed in chunks sized so that the largest intermediate stays under
+`ELEMENT_BUDGET` elements: no `[T, T]` float mask is ever built, and 16k tokens fit on one GPU.
+
+Each branch is written twice over: a `*_rows` helper that handles queries at arbitrary positions
+(used as-is by `decode.py` for one query), and the public function that loops over query chunks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_weights
+
+# Largest per-chunk intermediate (scores or gathered keys), in elements. 2**26 float32 is 256 MiB.
+ELEMENT_BUDGET = 1 << 26
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (exact tests); every other float dtype accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _resolve_scale(scale: Optional[float], d_k: int) -> float:
+    return 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+
+
+def _query_chunks(n_queries: int, elements_per_query: int,
+                  max_chunk: Optional[int] = None) -> Iterator[tuple[int, int]]:
+    """(start, stop) ranges covering `n_queries`, each keeping the chunk under ELEMENT_BUDGET
+    (and under `max_chunk` queries when given)."""
+    chunk = max(1, min(n_queries, ELEMENT_BUDGET // max(1, elements_per_query)))
+    if max_chunk is not None:
+        chunk = max(1, min(chunk, max_chunk))
+    for start in range(0, n_queries, chunk):
+        yield start, min(n_queries, start + chunk)
+
+
+def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim restricted to `mask` (bool, broadcastable to `scores`).
+
+    Returns (probs [..., S], lse [...]). A row with no allowed entry gets probs = 0 and
+    lse = -inf, and its gradients are exactly zero: the row max is replaced by 0 before the
+    shift (so no `-inf - -inf`), the denominator by 1, and masked entries are `exp(-inf) = 0`.
+    The max is detached because softmax does not depend on the shift.
+    """
+    if scores.shape[-1] == 0:
+        return scores, scores.new_full(scores.shape[:-1], -math.inf)
+    scores = scores.masked_fill(~mask, -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    denom = weights.sum(dim=-1, keepdim=True)
+    nonempty = denom > 0
+    probs = weights / torch.where(nonempty, denom, torch.ones_like(denom))
+    lse = torch.where(nonempty, row_max + torch.log(torch.where(nonempty, denom, 1.0)),
+                      -math.inf)
+    return probs, lse.squeeze(-1)
+
+
+def _check_rank4(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a [B, T, heads, dim] tensor, got {shape}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_name: str = "k",
+               v_name: str = "v", same_len: bool = True) -> None:
+    """Shapes of a GQA attention call: q [B,T,H,dk], k [B,S,G,dk], v [B,S,G,dv], G | H."""
+    _check_rank4("q", q)
+    _check_rank4(k_name, k)
+    _check_rank4(v_name, v)
+    B, T, H, d_k = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"batch sizes differ: q {B}, {k_name} {k.shape[0]}, {v_name} {v.shape[0]}")
+    if k.shape[3] != d_k:
+        raise ValueError(f"{k_name} head dim ({k.shape[3]}) must equal q's ({d_k})")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must agree on "
+                         "length and heads")
+    if H % k.shape[2]:
+        raise ValueError(f"q heads ({H}) must be a multiple of {k_name} heads ({k.shape[2]})")
+    if same_len and k.shape[1] != T:
+        raise ValueError(f"{k_name} length ({k.shape[1]}) must equal q length ({T})")
+
+
+def _group(q: torch.Tensor, n_groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, d] -> [B, T, G, h, d]: query head i belongs to group i // h."""
+    B, T, H, d = q.shape
+    return q.reshape(B, T, n_groups, H // n_groups, d).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE and compression
+# ---------------------------------------------------------------------------------------------
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half (GPT-NeoX) RoPE over the whole head dim (spec step 3).
+
+    x: [B, T, heads, D] (D even); positions: [T] integer positions. Pair (i, i + D/2) turns by
+    `pos * theta^(-2i/D)`. Computed in the accumulation dtype, returned in x's dtype.
+    """
+    acc = _acc_dtype(x.dtype)
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64, device=x.device)
+                         / x.shape[-1])
+    angle = positions.to(torch.float64)[:, None] * inv_freq  # [T, D/2]
+    cos = angle.cos().to(acc)[None, :, None, :]
+    sin = angle.sin().to(acc)[None, :, None, :]
+    x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def compress_kv(k: torch.Tensor, cmp_params: Optional[Mapping[str, torch.Tensor]],
+                cfg: NSAConfig) -> torch.Tensor:
+    """Compress keys (or values) into blocks (spec step 4).
+
+    k: [B, T, G, D]; cmp_params: the `cmp_k` / `cmp_v` mapping (`pos` [G, l, D], `w1`
+    [G, l*D, D], `b1` [G, D], `w2` [G, D, D], `b2` [G, D]) or None for `compress="mean"`.
+    Returns [B, C, G, D], C = num_cmp_blocks(cfg, T); block i covers tokens [i*d, i*d + l).
+    With C = 0 the result is empty but still connected to the graph, so every parameter gets a
+    (zero) gradient instead of None.
+    """
+    _check_rank4("k", k)
+    B, T, G, D = k.shape
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    if cmp_params is None and cfg.compress == "mlp":
+        raise ValueError("cmp_params must be given when cfg.compress is 'mlp'")
+    if num_cmp_blocks(cfg, T) == 0:
+        blocks = k[:, :0, :, None, :].expand(B, 0, G, l, D)
+    else:
+        blocks = k.unfold(1, l, d).permute(0, 1, 2, 4, 3)  # [B, C, G, l, D]
+    if cmp_params is None:
+        return blocks.mean(dim=3)
+    if cmp_params["pos"].shape != (G, l, D):
+        raise ValueError(f"cmp_params['pos'] shape {tuple(cmp_params['pos'].shape)} must be "
+                         f"{(G, l, D)} for k of shape {tuple(k.shape)}")
+    flat = (blocks + cmp_params["pos"]).flatten(3)  # token-major: [s, c] -> s*D + c
+    hidden = F.gelu(torch.einsum("bcgi,gio->bcgo", flat, cmp_params["w1"]) + cmp_params["b1"])
+    return torch.einsum("bcgi,gio->bcgo", hidden, cmp_params["w2"]) + cmp_params["b2"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed attention and block selection
+# ---------------------------------------------------------------------------------------------
+def _compressed_rows(q, k_cmp, v_cmp, q_pos, cfg: NSAConfig, scale: float):
+    """Compressed attention for queries at positions q_pos [Tq].
+
+    q [B, Tq, H, dk], k_cmp [B, C, G, dk], v_cmp [B, C, G, dv] (v_cmp may be None when only the
+    probabilities are wanted). Returns (o [B, Tq, H, dv] or None, p_cmp [B, Tq, G, h, C],
+    lse [B, Tq, H]), all in the accumulation dtype.
+    """
+    acc = _acc_dtype(q.dtype)
+    B, Tq, H, _ = q.shape
+    C, G = k_cmp.shape[1], k_cmp.shape[2]
+    scores = torch.einsum("bqghd,bcgd->bqghc", _group(q, G, acc), k_cmp.to(acc)) * scale
+    block_end = torch.arange(C, device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
+    admissible = block_end[None, :] <= q_pos[:, None]  # [Tq, C]
+    p_cmp, lse = _masked_softmax(scores, admissible[None, :, None, None, :])
+    o = None
+    if v_cmp is not None:
+        o = torch.einsum("bqghc,bcgd->bqghd", p_cmp, v_cmp.to(acc)).reshape(B, Tq, H, -1)
+    return o, p_cmp, lse.reshape(B, Tq, H)
+
+
+def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                         cfg: NSAConfig, *, scale: Optional[float] = None,
+                         return_lse: bool = False):
+    """Attention of every query over the compressed blocks it may see (spec step 5).
+
+    q: [B, T, H, dk] at positions 0..T-1; k_cmp: [B, C, G, dk]; v_cmp: [B, C, G, dv].
+    Query t sees block i iff i*d + l - 1 <= t. Returns o_cmp [B, T, H, dv] in q's dtype (zero for
+    queries with no admissible block, C = 0 included) and, with `return_lse`, lse [B, T, H]
+    float32 (-inf on those rows).
+    """
+    _check_qkv(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp", same_len=False)
+    scale = _resolve_scale(scale, q.shape[-1])
+    B, T, H, _ = q.shape
+    positions = torch.arange(T, device=q.device)
+    outs, lses = [], []
+    for start, stop in _query_chunks(T, B * H * max(1, k_cmp.shape[1])):
+        o, _, lse = _compressed_rows(q[:, start:stop], k_cmp, v_cmp, positions[start:stop],
+                                     cfg, scale)
+        outs.append(o)
+        lses.append(lse)
+    o_cmp = torch.cat(outs, dim=1).to(q.dtype)
+    if return_lse:
+        return o_cmp, torch.cat(lses, dim=1).float()
+    return o_cmp
+
+
+def _select_rows(p_cmp: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
+                 n_sel_blocks: int) -> torch.Tensor:
+    """Top-n_sel selection blocks from compressed probabilities (spec step 6).
+
+    p_cmp: [B, Tq, G, h, C] for queries at positions q_pos [Tq]; n_sel_blocks: selection blocks
+    of the sequence. Returns block_idx int32 [B, Tq, G, n_sel], ascending, -1 padded at the end.
+    """
+    C = p_cmp.shape[-1]
+    overlap = torch.from_numpy(overlap_weights(cfg, C, n_sel_blocks)).to(p_cmp)  # [C, S]
+    score = (p_cmp @ overlap).sum(dim=3)  # p_sel per head, then summed over the group: [B,Tq,G,S]
+
+    block = torch.arange(n_sel_blocks, device=p_cmp.device)[None, :]
+    last = (q_pos // cfg.sel_block)[:, None]  # newest eligible block per query
+    eligible = block <= last  # [Tq, S]
+    forced = eligible & ((block < cfg.n_init) | (block > last - cfg.n_local))
+    score = score.masked_fill(forced[None, :, None, :], math.inf)
+    score = score.masked_fill(~eligible[None, :, None, :], -math.inf)
+
+    # A stable descending sort keeps equal scores in index order: ties go to the lower block.
+    ranked_score, ranked = torch.sort(score, dim=-1, descending=True, stable=True)
+    take = min(cfg.n_sel, n_sel_blocks)
+    chosen = ranked[..., :take]
+    # Ineligible picks become a sentinel past every real index, so an ascending sort moves them
+    # to the end, where they turn into -1.
+    chosen = torch.where(ranked_score[..., :take] == -math.inf, n_sel_blocks, chosen)
+    chosen = torch.sort(chosen, dim=-1).values
+    chosen = torch.where(chosen == n_sel_blocks, -1, chosen)
+    if take < cfg.n_sel:
+        chosen = F.pad(chosen, (0, cfg.n_sel - take), value=-1)
+    return chosen.to(torch.int32)
+
+
+@torch.no_grad()
+def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, *,
+                  scale: Optional[float] = None) -> torch.Tensor:
+    """Selection blocks per query and KV group (spec step 6). No gradient flows.
+
+    q: [B, T, H, dk] at positions 0..T-1; k_cmp: [B, C, G, dk].
+    Returns block_idx int32 [B, T, G, n_sel]: ascending, -1 padded at the end.
+    """
+    _check_qkv(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp", same_len=False)
+    scale = _resolve_scale(scale, q.shape[-1])
+    B, T, H, _ = q.shape
+    n_sel_blocks = num_sel_blocks(cfg, T)
+    positions = torch.arange(T, device=q.device)
+    parts = []
+    for start, stop in _query_chunks(T, B * H * (max(1, k_cmp.shape[1]) + n_sel_blocks)):
+        _, p_cmp, _ = _compressed_rows(q[:, start:stop], k_cmp, None, positions[start:stop],
+                                       cfg, scale)
+        parts.append(_select_rows(p_cmp, positions[start:stop], cfg, n_sel_blocks))
+    return torch.cat(parts, dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Selected attention
+# ---------------------------------------------------------------------------------------------
+def _selected_rows(q, k, v, block_idx, block_size: int, q_pos, scale: float) -> torch.Tensor:
+    """Selected attention by gathering each query's chosen tokens.
+
+    q [B, Tq, H, dk] at positions q_pos [Tq]; k [B, S, G, dk], v [B, S, G, dv] hold tokens
+    0..S-1; block_idx [B, Tq, G, n]. Gathers [B, Tq, G, n*block_size] keys; a token counts if
+    its block is not -1, it exists (< S) and it is <= the query's position.
+    Returns o [B, Tq, H, dv] in the accumulation dtype.
+    """
+    acc = _acc_dtype(q.dtype)
+    B, Tq, H, _ = q.shape
+    S, G = k.shape[1], k.shape[2]
+    block_idx = block_idx.long()
+    token = block_idx[..., None] * block_size + torch.arange(block_size, device=q.device)
+    valid = ((block_idx[..., None] >= 0) & (token < S)
+             & (token <= q_pos[None, :, None, None, None]))  # [B, Tq, G, n, block_size]
+    token = token.clamp(0, max(S - 1, 0)).flatten(3)  # [B, Tq, G, n*block_size]
+    valid = valid.flatten(3)
+    batch = torch.arange(B, device=q.device)[:, None, None, None]
+    group = torch.arange(G, device=q.device)[None, None, :, None]
+    k_sel = k[batch, token, group].to(acc)  # [B, Tq, G, n*block_size, dk]
+    v_sel = v[batch, token, group].to(acc)
+    scores = torch.einsum("bqghd,bqgsd->bqghs", _group(q, G, acc), k_sel) * scale
+    probs, _ = _masked_softmax(scores, valid[:, :, :, None, :])
+    return torch.einsum("bqghs,bqgsd->bqghd", probs, v_sel).reshape(B, Tq, H, -1)
+
+
+def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       block_idx: torch.Tensor, block_size: int,
+                       scale: Optional[float] = None) -> torch.Tensor:
+    """Attention of query t (head in group g) over the tokens <= t of blocks block_idx[b, t, g]
+    (spec step 7). -1 entries are ignored.
+
+    q: [B, T, H, dk]; k: [B, T, G, dk]; v: [B, T, G, dv]; block_idx: integer [B, T, G, n].
+    Returns [B, T, H, dv] in q's dtype.
+    """
+    _check_qkv(q, k, v)
+    B, T, H, d_k = q.shape
+    G = k.shape[2]
+    if (not isinstance(block_idx, torch.Tensor) or block_idx.dim() != 4
+            or tuple(block_idx.shape[:3]) != (B, T, G)):
+        shape = tuple(block_idx.shape) if isinstance(block_idx, torch.Tensor) else block_idx
+        raise ValueError(f"block_idx must be an integer [B, T, G, n] = [{B}, {T}, {G}, n] tensor, "
+                         f"got {shape}")
+    if block_idx.is_floating_point() or block_idx.is_complex():
+        raise ValueError(f"block_idx must be an integer tensor, got {block_idx.dtype}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size ({block_size!r}) must be a positive int")
+    scale = _resolve_scale(scale, d_k)
+    positions = torch.arange(T, device=q.device)
+    gathered = G * block_idx.shape[3] * block_size * (d_k + v.shape[3]) + H * block_idx.shape[3] * block_size
+    outs = [_selected_rows(q[:, start:stop], k, v, block_idx[:, start:stop], block_size,
+                           positions[start:stop], scale)
+            for start, stop in _query_chunks(T, B * gathered)]
+    return torch.cat(outs, dim=1).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window
+# ---------------------------------------------------------------------------------------------
+def _window_rows(q, k, v, q_pos, k_pos, window: int, scale: float) -> torch.Tensor:
+    """Sliding-window attention of queries at q_pos [Tq] over keys at k_pos [S].
+
+    q [B, Tq, H, dk]; k [B, S, G, dk]; v [B, S, G, dv]. Key s is seen iff
+    q_pos - window < k_pos[s] <= q_pos. Returns o [B, Tq, H, dv] in the accumulation dtype.
+    """
+    acc = _acc_dtype(q.dtype)
+    B, Tq, H, _ = q.shape
+    G = k.shape[2]
+    visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    scores = torch.einsum("bqghd,bsgd->bqghs", _group(q, G, acc), k.to(acc)) * scale
+    probs, _ = _masked_softmax(scores, visible[None, :, None, None, :])
+    return torch.einsum("bqghs,bsgd->bqghd", probs, v.to(acc)).reshape(B, Tq, H, -1)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             scale: Optional[float] = None) -> torch.Tensor:
+    """Query t attends keys max(0, t - window + 1) .. t (spec step 8).
+
+    q: [B, T, H, dk]; k: [B, T, G, dk]; v: [B, T, G, dv]. Returns [B, T, H, dv] in q's dtype.
+    Each query chunk [t0, t1) only looks at the key slice [t0 - window + 1, t1).
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window ({window!r}) must be a positive int")
+    B, T, H, d_k = q.shape
+    scale = _resolve_scale(scale, d_k)
+    positions = torch.arange(T, device=q.device)
+    # A chunk of c queries scores c * (c + window - 1) pairs per head: capping c keeps the
+    # cost per query near `window` instead of growing with T.
+    max_chunk = max(window, 256)
+    outs = []
+    for start, stop in _query_chunks(T, B * H * (max_chunk + window), max_chunk=max_chunk):
+        lo = max(0, start - window + 1)
+        outs.append(_window_rows(q[:, start:stop], k[:, lo:stop], v[:, lo:stop],
+                                 positions[start:stop], positions[lo:stop], window, scale))
+    return torch.cat(outs, dim=1).to(q.dtype)
