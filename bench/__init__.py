@@ -1,0 +1,3 @@
+"""Benchmark scripts (GPU figures in bench/RESULTS.md). Run them as `python bench/<script>.py` or
+`python -m bench.<script>`; `bench.common` holds the shared timing, CSV, plot and environment
+helpers."""

@@ -1,0 +1,542 @@
+"""Decode benchmark: per-step time of nsa_jax's jitted `decode_step` at context S, its per-branch
+breakdown, the tokens it reads against the paper's formula, and a full-attention decode baseline.
+
+Per point (B, S):
+  nsa_jax / full   `decode_step` (donated cache, so the appends are in place) for the token at
+                   position S, with the cache carried from step to step; x_t cycles over
+                   `--rotate` buffers. Reads come from decode_step's `reads` at t = S, against
+                   `nsa_common.decode_read_bound` (the paper's Table 4 formula).
+  nsa_jax / cmp|sel|win
+                   the same step with only that branch's attention (same projections, cache
+                   appends and output projection; the other branch outputs are zeros): its time
+                   as a share of the full step is the breakdown. `sel` includes the compressed
+                   scores it ranks (selection cannot run without them).
+  nsa_jax / base   the step with no attention at all (projections, appends, gates, output), so
+                   `attn_ms = ms - base_ms` isolates each branch's attention.
+  full_<impl>      a full-attention layer step at the same B and S: q/k/v projections, in-place
+                   cache append, single-query attention over the S + 1 cached tokens, output
+                   projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
+                   and d_k == d_v), cudnn (jax.nn.dot_product_attention with
+                   key_value_seq_lengths), xla (the same, XLA).
+
+The cache of length S is filled with random K/V (and compressed blocks) directly and its
+position set to S, instead of running prefill over S tokens: a decode step's cost depends on the
+shapes and the position, not on the values, and a 64k prefill at B = 64 would dominate the run.
+The cache's max_len is S plus the steps timed, so the compressed branch (which scans the cache's
+compressed slots) sees the context it would in a real generation.
+
+--branch_force_mode none|cmp|sel|win: with a branch named, the gates are forced to it (wg = 0,
+bg = +30 for it, -30 for the others; the layer output is then that branch's output) and the
+breakdown times that branch only. The decode step computes all three branches whatever the gates
+say, so forcing changes the output, not the full step's cost.
+
+Example (GPU): python bench/bench_decode.py --B 1,32 --S_list 8k,16k,32k,64k --csv artifacts/bench/decode.csv
+CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --dim 32 --heads 4 \
+                   --groups 2 --dk 16 --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any, Callable, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
+from bench.common import OK, SKIPPED, Skip  # noqa: E402
+from bench.summarize_decode_csv import summarize  # noqa: E402
+
+COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv", "l", "d",
+           "l_sel", "n_sel", "w", "dtype", "force", "status", "ms", "ms_min", "ms_max", "attn_ms",
+           "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
+           "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
+           "device"]
+BRANCHES = ("cmp", "sel", "win")
+FULL_IMPLS = ("fa3", "cudnn", "xla")
+FORCED_GATE_LOGIT = 30.0  # sigmoid(30) = 1 - 1e-13, sigmoid(-30) = 1e-13
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "float32": "float32", "fp32": "float32"}
+
+
+def nsa_config(args):
+    from nsa_common import NSAConfig
+
+    return NSAConfig(d_model=args.dim, n_heads=args.heads, n_kv_heads=args.groups, d_k=args.dk,
+                     d_v=args.dv, cmp_block=args.l, cmp_stride=args.d, sel_block=args.l_sel,
+                     n_sel=args.n_sel, window=args.w, compress=args.compress)
+
+
+def _jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+
+
+def _base(args, row: str, B: int, S: int, **extra) -> dict[str, Any]:
+    record = {"bench": "decode", "row": row, "B": B, "S": S, "dim": args.dim, "H": args.heads,
+              "G": args.groups, "dk": args.dk, "dv": args.dv, "l": args.l, "d": args.d,
+              "l_sel": args.l_sel, "n_sel": args.n_sel, "w": args.w, "dtype": args.dtype,
+              "force": args.branch_force_mode, "device": args.device_label}
+    record.update(extra)
+    return record
+
+
+def force_gates(params, cfg, branch: str):
+    """Params whose gates are (numerically) one for `branch` and zero for the other two."""
+    import jax.numpy as jnp
+
+    if branch not in BRANCHES:
+        raise ValueError(f"branch_force_mode ({branch!r}) must be one of none, cmp, sel, win")
+    logits = jnp.full((cfg.n_heads, 3), -FORCED_GATE_LOGIT).at[:, BRANCHES.index(branch)].set(
+        FORCED_GATE_LOGIT)
+    params = dict(params)
+    params["wg"] = jnp.zeros_like(params["wg"])
+    params["bg"] = logits.reshape(-1).astype(params["bg"].dtype)
+    return params
+
+
+def random_cache(cache, S: int, key):
+    """`cache` (from init_cache) with every float array random and the position set to S."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree_util.tree_flatten(cache)
+    keys = jax.random.split(key, len(leaves))
+    filled = []
+    for leaf, k in zip(leaves, keys):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            filled.append(jax.random.normal(k, leaf.shape, leaf.dtype))
+        elif leaf.ndim == 0:  # the position
+            filled.append(jnp.asarray(S, leaf.dtype))
+        else:
+            raise Skip(f"cannot fill a cache leaf of shape {leaf.shape} / {leaf.dtype}")
+    return jax.tree_util.tree_unflatten(treedef, filled)
+
+
+def cache_bytes(cache) -> int:
+    import jax
+
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(cache))
+
+
+def branch_only_step(mode: str):
+    """A decode step computing only branch `mode` (cmp, sel, win) or no attention ("base").
+
+    It mirrors `nsa_jax.decode.decode_step` with the same helpers, so the only difference from
+    the full step is the attention work left out. Returns fn(params, x_t, cfg, cache) ->
+    (y_t, cache). Raises Skip when nsa_jax's decode internals are not the ones this mirrors.
+    """
+    try:
+        from nsa_jax import decode as D
+    except ImportError as exc:
+        raise Skip(f"nsa_jax.decode not importable ({exc})") from None
+    needed = ("project", "combine", "_ring_write", "_emit_block", "cmp_probabilities",
+              "merge_heads", "einsum", "overlap_weights", "num_sel_blocks", "top_blocks",
+              "sel_scores", "selected_chunk", "window_chunk", "DecodeCache")
+    missing = [n for n in needed if not hasattr(D, n)]
+    if missing:
+        raise Skip(f"branch breakdown mirrors nsa_jax.decode internals; missing {missing}")
+    import jax.numpy as jnp
+    from jax import lax
+
+    def step(params, x_t, cfg, cache):
+        B = x_t.shape[0]
+        l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+        t = cache.pos
+        proj = D.project(params, x_t, cfg, t[None])
+        emit = (t + 1 >= l) & ((t + 1 - l) % d == 0)
+        mlp = cfg.compress == "mlp"
+        k_raw = D._ring_write(cache.k_raw, proj["k_cmp"], t % l)
+        v_raw = D._ring_write(cache.v_raw, proj["v_cmp"], t % l)
+        ring = cache.k_win.shape[1]
+        cache = D.DecodeCache(
+            k_sel=D._ring_write(cache.k_sel, proj["k_sel"], t),
+            v_sel=D._ring_write(cache.v_sel, proj["v_sel"], t),
+            k_win=D._ring_write(cache.k_win, proj["k_win"], t % ring),
+            v_win=D._ring_write(cache.v_win, proj["v_win"], t % ring),
+            k_raw=k_raw, v_raw=v_raw,
+            k_cmp=D._emit_block(cache.k_cmp, k_raw, params["cmp_k"] if mlp else None, cfg, t,
+                                emit),
+            v_cmp=D._emit_block(cache.v_cmp, v_raw, params["cmp_v"] if mlp else None, cfg, t,
+                                emit),
+            pos=t + 1)
+        q, scale = proj["q"], cfg.scale
+        q_pos = jnp.full((B, 1), t, jnp.int32)
+        zeros = jnp.zeros((B, 1), jnp.int32)
+        o_zero = jnp.zeros((B, 1, cfg.n_heads, cfg.d_v), q.dtype)
+        o = {"cmp": o_zero, "sel": o_zero, "win": o_zero}
+        if mode in ("cmp", "sel"):
+            n_slots = cache.k_cmp.shape[1]
+            cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
+            p_cmp, _ = D.cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
+                                           jnp.zeros((n_slots,), jnp.int32), scale)
+            if mode == "cmp":
+                o["cmp"] = D.merge_heads(D.einsum("bqghc,bcgd->bqghd", p_cmp, cache.v_cmp,
+                                                  p_cmp.dtype)).astype(q.dtype)
+            else:
+                overlap = jnp.asarray(D.overlap_weights(cfg, n_slots,
+                                                        D.num_sel_blocks(cfg, cache.max_len)))
+                block_idx = D.top_blocks(D.sel_scores(lax.stop_gradient(p_cmp),
+                                                      overlap.astype(p_cmp.dtype)),
+                                         q_pos[..., None], cfg)
+                o["sel"] = D.selected_chunk(q, cache.k_sel, cache.v_sel, block_idx, q_pos,
+                                            zeros, l_sel, scale).astype(q.dtype)
+        elif mode == "win":
+            ring_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring
+            o["win"] = D.window_chunk(q, cache.k_win, cache.v_win, ring_token, q_pos, zeros,
+                                      cfg.window, scale).astype(q.dtype)
+        elif mode != "base":
+            raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
+        y, _ = D.combine(params, x_t, cfg, o["cmp"], o["sel"], o["win"])
+        return y, cache
+
+    return step
+
+
+def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
+    """Time a jitted, cache-donating step; returns (timing, outputs of the first call)."""
+    import jax
+
+    jitted = jax.jit(step_fn, static_argnums=(2,), donate_argnums=(3,))
+    state = {"cache": cache}
+    first = {}
+
+    def step(i):
+        out = jitted(params, xs[i % len(xs)], cfg, state["cache"])
+        state["cache"] = out[1]
+        if not first:
+            first["out"] = out
+        return out[0]
+
+    timing = common.time_jax(step, iters=args.iters, warmup=max(1, args.warmup),
+                             repeats=args.repeats)
+    return timing, first["out"]
+
+
+def run_nsa_point(args, B: int, S: int) -> list[dict]:
+    try:
+        import nsa_jax
+    except ImportError as exc:
+        raise Skip(f"nsa_jax not importable ({exc})") from None
+    import jax
+
+    cfg = nsa_config(args)
+    dtype = _jnp_dtype(args.dtype)
+    steps = max(1, args.warmup) + args.iters * args.repeats
+    max_len = S + steps + 1
+    params = nsa_jax.init_params(jax.random.PRNGKey(0), cfg, dtype=dtype)
+    if args.branch_force_mode != "none":
+        params = force_gates(params, cfg, args.branch_force_mode)
+    xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, cfg.d_model), dtype)
+          for i in range(args.rotate)]
+
+    def fresh_cache():
+        return random_cache(nsa_jax.init_cache(cfg, B, max_len, dtype), S,
+                            jax.random.PRNGKey(7))
+
+    from nsa_common import decode_read_bound
+
+    formula = decode_read_bound(cfg, S)
+    records = []
+    cache = fresh_cache()
+    size_mb = common.mb(cache_bytes(cache))
+    full = _base(args, "nsa_jax", B, S, mode="full", impl="nsa_jax.decode_step (xla)",
+                 cache_mb=size_mb, reads_formula=formula, reads_full=S + 1)
+    try:
+        timing, first = _timed_decode(nsa_jax.decode_step, params, cfg, cache, xs, args)
+        del cache
+        reads = {k: int(v) for k, v in first[2].items()}
+        full.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
+                    share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
+                    reads_win=reads.get("win"), reads_actual=reads.get("total"))
+        if "bound" in reads and reads["bound"] != formula:
+            full["note"] = (f"decode_step bound {reads['bound']} != "
+                            f"nsa_common.decode_read_bound {formula}")
+    except Exception as exc:
+        full.update(status=common.classify_exception(exc), note=common.short_error(exc))
+    records.append(full)
+    if full["status"] != OK or not args.breakdown:
+        return records
+
+    modes = (BRANCHES if args.branch_force_mode == "none" else (args.branch_force_mode,))
+    timings = {}
+    for mode in (*modes, "base"):
+        record = _base(args, "nsa_jax", B, S, mode=mode, impl=f"nsa_jax decode, {mode} only",
+                       cache_mb=size_mb)
+        try:
+            step = branch_only_step(mode)
+            timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args)
+            timings[mode] = timing.ms
+            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
+                          share_of_step=timing.ms / full["ms"])
+            if mode in BRANCHES:
+                record["reads_actual"] = full.get(f"reads_{mode}")
+        except Skip as why:
+            record.update(status=SKIPPED, note=f"skipped: {why}")
+        except Exception as exc:
+            record.update(status=common.classify_exception(exc), note=common.short_error(exc))
+        records.append(record)
+    if "base" in timings:
+        for record in records:
+            if record["status"] == OK:
+                record["attn_ms"] = max(0.0, record["ms"] - timings["base"])
+    return records
+
+
+def _full_attention_fn(impl: str, args, num_splits: int = 1):
+    """attend(q [B,1,H,dk], k_cache, v_cache [B,L,G,d], lengths [B]) -> [B,1,H,dv]."""
+    import jax
+
+    if impl == "fa3":
+        if args.device != "gpu":
+            raise Skip("FlashAttention-3 needs a Hopper GPU")
+        if args.dtype == "float32":
+            raise Skip("FlashAttention-3 takes bf16/fp16 only")
+        if args.dk != args.dv:
+            raise Skip("flash_mha_with_kvcache needs d_k == d_v (k_cache and v_cache same shape)")
+        try:
+            from flash_attn3_jax import flash_mha_with_kvcache
+        except ImportError as exc:
+            raise Skip(f"flash_attn3_jax not importable ({exc})") from None
+
+        def attend(q, k, v, lengths):
+            return flash_mha_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=num_splits)
+
+        return attend
+    if impl == "cudnn":
+        if args.device != "gpu":
+            raise Skip("cuDNN needs a GPU")
+        if args.dtype == "float32":
+            raise Skip("cuDNN flash attention takes bf16/fp16 only")
+    elif impl != "xla":
+        raise ValueError(f"--full_impls has unknown impl {impl!r}; known: {list(FULL_IMPLS)}")
+
+    def attend(q, k, v, lengths):
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                            implementation=impl)
+
+    return attend
+
+
+def run_full_point(args, impl: str, B: int, S: int) -> dict:
+    """A full-attention layer step at context S (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    dtype = _jnp_dtype(args.dtype)
+    H, G, dk, dv, D = args.heads, args.groups, args.dk, args.dv, args.dim
+    steps = max(1, args.warmup) + args.iters * args.repeats
+    max_len = S + steps + 1
+    keys = jax.random.split(jax.random.PRNGKey(1), 8)
+
+    def weight(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
+
+    params = {"wq": weight(keys[0], (D, H * dk)), "wk": weight(keys[1], (D, G * dk)),
+              "wv": weight(keys[2], (D, G * dv)), "wo": weight(keys[3], (H * dv, D))}
+    xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, D), dtype)
+          for i in range(args.rotate)]
+    record = _base(args, f"full_{impl}", B, S, mode="full", reads_full=S + 1, reads_actual=S + 1,
+                   l="", d="", l_sel="", n_sel="", w="")
+    splits = args.fa3_num_splits if impl == "fa3" else [1]
+    best: Optional[tuple] = None
+    errors = []
+    for num_splits in splits:
+        attend = _full_attention_fn(impl, args, num_splits)
+
+        def step(params, x_t, cfg, cache, attend=attend):
+            k_cache, v_cache, pos = cache
+            q = (x_t @ params["wq"]).reshape(B, 1, H, dk)
+            k_new = (x_t @ params["wk"]).reshape(B, 1, G, dk)
+            v_new = (x_t @ params["wv"]).reshape(B, 1, G, dv)
+            k_cache = lax.dynamic_update_slice_in_dim(k_cache, k_new, pos, axis=1)
+            v_cache = lax.dynamic_update_slice_in_dim(v_cache, v_new, pos, axis=1)
+            lengths = jnp.full((B,), pos + 1, jnp.int32)
+            o = attend(q, k_cache, v_cache, lengths)
+            y = o.reshape(B, 1, H * dv) @ params["wo"]
+            return y, (k_cache, v_cache, pos + 1)
+
+        cache = (jax.random.normal(keys[4], (B, max_len, G, dk), dtype),
+                 jax.random.normal(keys[5], (B, max_len, G, dv), dtype),
+                 jnp.asarray(S, jnp.int32))
+        record["cache_mb"] = common.mb(cache_bytes(cache))
+        try:
+            timing, _ = _timed_decode(step, params, None, cache, xs, args)
+            if best is None or timing.ms < best[0].ms:
+                best = (timing, num_splits)
+        except Skip:
+            raise
+        except Exception as exc:
+            errors.append(exc)
+        del cache
+    if best is None:
+        exc = errors[-1]
+        record.update(status=common.classify_exception(exc), note=common.short_error(exc))
+        return record
+    timing, num_splits = best
+    impl_label = {"fa3": f"flash_attn3_jax.flash_mha_with_kvcache num_splits={num_splits}",
+                  "cudnn": "jax.nn.dot_product_attention[cudnn]",
+                  "xla": "jax.nn.dot_product_attention[xla]"}[impl]
+    record.update(status=OK, impl=impl_label, ms=timing.ms, ms_min=timing.ms_min,
+                  ms_max=timing.ms_max, note="RoPE not applied (elementwise; negligible)")
+    return record
+
+
+def add_speedups(records: list[dict], full_order: list[str]) -> None:
+    """speedup_vs_full = full-attention step ms / NSA full step ms, per (B, S)."""
+    ok_full = {}
+    for r in records:
+        if r["row"].startswith("full_") and r.get("status") == OK:
+            ok_full.setdefault((r["B"], r["S"]), {})[r["row"][5:]] = r
+    for r in records:
+        if r["row"] != "nsa_jax" or r.get("mode") != "full" or r.get("status") != OK:
+            continue
+        for impl in full_order:
+            ref = ok_full.get((r["B"], r["S"]), {}).get(impl)
+            if ref:
+                r["speedup_vs_full"] = ref["ms"] / r["ms"]
+                r["baseline"] = f"full_{impl}"
+                break
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+    latency: dict[str, list] = {}
+    speedup: dict[str, list] = {}
+    shares: dict[str, list] = {}
+    for r in records:
+        if r.get("status") != OK:
+            continue
+        B, S = int(r["B"]), int(r["S"])
+        if r.get("mode") == "full":
+            latency.setdefault(f"{r['row']} B={B}", []).append((S, r["ms"]))
+        if r.get("speedup_vs_full") is not None:
+            speedup.setdefault(f"B={B} vs {r['baseline']}", []).append((S, r["speedup_vs_full"]))
+        if r["row"] == "nsa_jax" and r.get("mode") in BRANCHES:
+            shares.setdefault(f"{r['mode']} B={B}", []).append((S, r["share_of_step"]))
+    panels = [{"title": "decode step latency", "xlabel": "context length S",
+               "ylabel": "ms per step (median)", "series": latency, "logy": True},
+              {"title": "NSA speed-up over full-attention decode", "xlabel": "context length S",
+               "ylabel": "x faster", "series": speedup, "hline": 1.0},
+              {"title": "branch-only step as a share of the full NSA step",
+               "xlabel": "context length S", "ylabel": "share", "series": shares}]
+    common.plot_lines(path, panels, title)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--B", default="1,32", help="batch sizes, comma list (up to 64)")
+    p.add_argument("--dim", type=int, default=2560, help="d_model")
+    p.add_argument("--heads", type=int, default=64, help="query heads H")
+    p.add_argument("--groups", type=int, default=4, help="KV heads G")
+    p.add_argument("--dk", type=int, default=128)
+    p.add_argument("--dv", type=int, default=128)
+    p.add_argument("--l", type=int, default=32, help="compression block")
+    p.add_argument("--d", type=int, default=16, help="compression stride")
+    p.add_argument("--l_sel", type=int, default=64, help="selection block")
+    p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
+    p.add_argument("--w", type=int, default=512, help="sliding window")
+    p.add_argument("--compress", default="mlp", choices=("mlp", "mean"))
+    p.add_argument("--S_list", default="8k,16k,32k,64k", help="context lengths ('k' = 1024)")
+    p.add_argument("--iters", type=int, default=50, help="timed steps per repeat")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--rotate", type=int, default=3, help="distinct x_t buffers cycled")
+    p.add_argument("--csv", default="artifacts/bench/decode.csv",
+                   help="CSV path; the PNG, summary and env JSON go beside it")
+    p.add_argument("--branch_force_mode", default="none", choices=("none", *BRANCHES))
+    p.add_argument("--no_breakdown", dest="breakdown", action="store_false",
+                   help="skip the per-branch steps")
+    p.add_argument("--full_impls", default="auto",
+                   help="full-attention baselines, comma list of fa3,cudnn,xla "
+                        "(auto: fa3,cudnn on gpu, xla on cpu)")
+    p.add_argument("--fa3_num_splits", default="1,4,16",
+                   help="FA3 split-KV counts tried; the fastest is reported")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    args.dtype = DTYPES[args.dtype]
+    args.B_list = common.parse_int_list(args.B, "--B")
+    if max(args.B_list) > 64:
+        raise ValueError(f"--B ({args.B}) goes up to 64")
+    args.S = common.parse_int_list(args.S_list, "--S_list")
+    args.fa3_num_splits = common.parse_int_list(args.fa3_num_splits, "--fa3_num_splits")
+    for name in ("iters", "repeats", "rotate", "dim", "heads", "groups", "dk", "dv"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.full_impls == "auto":
+        args.full_order = ["fa3", "cudnn"] if args.device == "gpu" else ["xla"]
+    else:
+        args.full_order = [s.strip() for s in args.full_impls.split(",") if s.strip()]
+        unknown = [s for s in args.full_order if s not in FULL_IMPLS]
+        if unknown:
+            raise ValueError(f"--full_impls has unknown impls {unknown}; known: {list(FULL_IMPLS)}")
+    nsa_config(args)  # ValueError naming the field on a bad hyperparameter
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    common.setup_device(args.device)
+    args.device_label = common.device_name(args.device)
+    stem = os.path.splitext(args.csv)[0]
+    env = common.write_environment(stem + "_env.json",
+                                   {"argv": argv, "device_label": args.device_label})
+    points = [(B, S) for B in args.B_list for S in sorted(args.S)]
+    records: list[dict] = []
+    for B, S in common.progress(points, desc="decode points", enabled=not args.no_progress):
+        new = []
+        try:
+            new += run_nsa_point(args, B, S)
+        except Skip as why:
+            new.append(_base(args, "nsa_jax", B, S, mode="full", status=SKIPPED,
+                             note=f"skipped: {why}"))
+        except Exception as exc:
+            new.append(_base(args, "nsa_jax", B, S, mode="full",
+                             status=common.classify_exception(exc), note=common.short_error(exc)))
+        for impl in args.full_order:
+            try:
+                new.append(run_full_point(args, impl, B, S))
+            except Skip as why:
+                new.append(_base(args, f"full_{impl}", B, S, mode="full", status=SKIPPED,
+                                 note=f"skipped: {why}"))
+            except Exception as exc:
+                new.append(_base(args, f"full_{impl}", B, S, mode="full",
+                                 status=common.classify_exception(exc),
+                                 note=common.short_error(exc)))
+        for r in new:
+            if r.get("status") != OK:
+                print(f"{r['row']} {r.get('mode')} B={B} S={S}: {r.get('status')}: "
+                      f"{r.get('note')}", file=sys.stderr, flush=True)
+        records += new
+    add_speedups(records, args.full_order)
+    common.write_csv(args.csv, records, COLUMNS)
+    title = (f"NSA decode: H={args.heads} G={args.groups} dk={args.dk} dv={args.dv} {args.dtype} "
+             f"force={args.branch_force_mode} on {args.device_label} "
+             f"(commit {env['commit'][:10]})")
+    png = stem + ".png"
+    plot(records, png, title)
+    table = summarize(common.read_csv(args.csv))
+    with open(stem + "_summary.txt", "w") as f:
+        f.write(title + "\n\n" + table + "\n")
+    print(f"wrote {args.csv}, {png}")
+    print(title)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,808 @@
+"""Prefill benchmark: the NSA attention core against full causal attention and peer kernels.
+
+Times forward and forward+backward, and records peak memory, of the *attention core*: given
+q [B, S, H, d_k], per-branch k/v [B, S, G, d_k|d_v] and gate logits [B, S, H, 3], it runs
+compression (mlp or mean), compressed attention, block selection, selected attention, the sliding
+window and the gate combine. The projections (x @ W for q, k, v, gates and the output projection)
+are the separate `projections` row, so the kernels are compared on the work they share with full
+attention.
+
+Rows (`--rows`, default: every row that can run on the device):
+  nsa_jax_pallas       nsa_jax kernel-level functions, backend="pallas", compress="mlp"
+  nsa_jax_xla          the same with backend="xla" (OOM rows are written as "oom")
+  nsa_jax_pallas_fla   backend="pallas" in fla-org's configuration (below), shared k/v
+  nsa_jax_xla_fla      backend="xla" in fla-org's configuration, shared k/v
+  nsa_torch            nsa_torch_ref with its fastest registered kernels (Triton selection, FA-2)
+  nsa_torch_fla        nsa_torch_ref in fla-org's configuration
+  fla_parallel_nsa     fla-org's `parallel_nsa` (peer; needs h = H/G a power of two >= 16)
+  cudnn_full           full causal attention, jax.nn.dot_product_attention(implementation="cudnn")
+  fa3_full             full causal attention, flash_attn3_jax.flash_mha (FlashAttention-3)
+  torch_sdpa_flash     full causal attention, torch SDPA, flash backend
+  torch_sdpa_cudnn     full causal attention, torch SDPA, cuDNN backend
+  xla_full             full causal attention, jax.nn.dot_product_attention(implementation="xla")
+                       (CPU smoke and small S only: it materialises [B, H, S, S])
+  projections          x @ [Wq | Wk | Wv | Wg] and o @ Wo at d_model (matmuls only)
+
+fla-org's configuration ("*_fla" rows): mean compression with l = d = l_sel (its
+`parallel_nsa` pools non-overlapping blocks of the selection size), one k/v shared by the three
+branches, and the forced first block and two local blocks, as ours. That makes its row and ours
+the same algorithm, so their times compare like for like.
+
+Each row runs in its own process by default (`--isolate row`): a fresh allocator for the peak
+memory figures, and JAX's memory cannot starve the torch rows. After an OOM the row's larger S
+are recorded as "oom" without running. Speed-ups are against the first full-attention row that
+ran at that S and pass: fa3_full, cudnn_full, torch_sdpa_flash, torch_sdpa_cudnn, xla_full
+(`--baseline` picks one).
+
+Example (GPU): python bench/bench_prefill.py --S_list 8k,16k,32k,64k --out artifacts/bench
+CPU smoke:     python bench/bench_prefill.py --device cpu --S_list 64,128 --H 4 --G 2 --dk 16 \
+                   --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --d_model 32 --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import sys
+import tempfile
+from typing import Any, Callable, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
+from bench.common import ERROR, OK, OOM, SKIPPED, Skip  # noqa: E402
+
+COLUMNS = ["bench", "row", "impl", "pass", "S", "B", "H", "G", "dk", "dv", "dtype", "compress",
+           "l", "d", "l_sel", "n_sel", "w", "status", "ms", "ms_min", "ms_max", "peak_mb",
+           "peak_source", "device_peak_mb", "speedup", "baseline", "note", "device"]
+PASSES = ("fwd", "fwd_bwd")
+ROWS = ("nsa_jax_pallas", "nsa_jax_xla", "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
+        "nsa_torch_fla", "fla_parallel_nsa", "cudnn_full", "fa3_full", "torch_sdpa_flash",
+        "torch_sdpa_cudnn", "xla_full", "projections")
+DEFAULT_ROWS = {
+    "gpu": tuple(r for r in ROWS if r != "xla_full"),
+    "cpu": ("nsa_jax_xla", "nsa_jax_xla_fla", "nsa_torch", "xla_full", "projections"),
+}
+BASELINES = ("fa3_full", "cudnn_full", "torch_sdpa_flash", "torch_sdpa_cudnn", "xla_full")
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "float32": "float32", "fp32": "float32"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+def nsa_config(args, fla_like: bool = False):
+    """The NSAConfig of the run; fla-org's configuration with `fla_like` (mean, l = d = l_sel)."""
+    from nsa_common import NSAConfig
+
+    cfg = NSAConfig(d_model=args.d_model, n_heads=args.H, n_kv_heads=args.G, d_k=args.dk,
+                    d_v=args.dv, cmp_block=args.l, cmp_stride=args.d, sel_block=args.l_sel,
+                    n_sel=args.n_sel, window=args.w, compress=args.compress)
+    if fla_like:
+        cfg = cfg.replace(compress="mean", cmp_block=args.l_sel, cmp_stride=args.l_sel,
+                          shared_kv=True)
+    return cfg
+
+
+def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:
+    cfg = cfg or nsa_config(args)
+    return {"bench": "prefill", "row": row, "S": S, "B": args.B, "H": args.H, "G": args.G,
+            "dk": args.dk, "dv": args.dv, "dtype": args.dtype, "compress": cfg.compress,
+            "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
+            "w": cfg.window, "device": args.device_label}
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX rows
+# ---------------------------------------------------------------------------------------------
+def _jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+
+
+def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
+                     base: dict[str, Any]) -> list[dict[str, Any]]:
+    """Forward and forward+backward records of `fn(*inputs) -> array [..]`.
+
+    make_inputs(seed) -> (inputs tuple, cotangent); `args.rotate` sets are built and cycled.
+    The backward pass differentiates with respect to every input.
+    """
+    import jax
+
+    sets = [make_inputs(seed) for seed in range(args.rotate)]
+    records = []
+
+    def fwd_bwd(inputs, cotangent):
+        _, pullback = jax.vjp(fn, *inputs)
+        return pullback(cotangent)
+
+    # Per pass: the jitted program and, per input set, its positional arguments.
+    programs = {"fwd": (jax.jit(fn), [inputs for inputs, _ in sets]),
+                "fwd_bwd": (jax.jit(fwd_bwd), [(inputs, cot) for inputs, cot in sets])}
+    for pass_name in PASSES:
+        record = dict(base, **{"pass": pass_name})
+        jitted, call_args = programs[pass_name]
+        try:
+            compiled = jitted.lower(*call_args[0]).compile()
+            peak = common.jax_compiled_peak_bytes(compiled)
+
+            def step(i, compiled=compiled, call_args=call_args):
+                return compiled(*call_args[i % len(call_args)])
+
+            timing = common.time_jax(step, iters=args.iters, warmup=args.warmup,
+                                     repeats=args.repeats)
+            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
+                          peak_mb=common.mb(peak), peak_source="xla_memory_analysis",
+                          device_peak_mb=common.mb(common.jax_device_peak_bytes()))
+        except Skip:
+            raise
+        except Exception as exc:  # OOM and kernel failures become records, not crashes
+            record.update(status=common.classify_exception(exc), note=common.short_error(exc))
+        records.append(record)
+    return records
+
+
+def _pallas_branches(nsa_jax) -> list[str]:
+    """Make sure the "pallas" backend is registered with nsa_jax; return its branches."""
+    import importlib
+
+    if "pallas" not in nsa_jax.known_backends():
+        for module in ("pallas_kernels", "nsa_jax.pallas", "pallas_kernels.register"):
+            try:
+                mod = importlib.import_module(module)
+            except ImportError:
+                continue
+            register = getattr(mod, "register", None) or getattr(mod, "register_backends", None)
+            if callable(register) and "pallas" not in nsa_jax.known_backends():
+                register()
+    if "pallas" not in nsa_jax.known_backends():
+        raise Skip("no 'pallas' backend is registered with nsa_jax")
+    registry = getattr(nsa_jax.dispatch, "_REGISTRY", {})
+    return sorted(branch for branch, name in registry if name == "pallas")
+
+
+def _nsa_jax_core(cfg, backend: str):
+    """The attention core as a function of (q, k, v per branch, gate logits, compression params),
+    and a label of the path each branch takes.
+
+    Calls only the public kernel-level functions of `nsa_jax`. backend="pallas" passes the
+    sequence ("pallas", "xla"): nsa_jax's dispatch runs a branch on Pallas where a Pallas
+    kernel is registered and on XLA otherwise (compression; the window goes to cuDNN there).
+    """
+    try:
+        import nsa_jax
+    except ImportError as exc:
+        raise Skip(f"nsa_jax not importable ({exc})") from None
+    needed = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
+              "sliding_window_attention", "known_backends")
+    missing = [name for name in needed if not hasattr(nsa_jax, name)]
+    if missing:
+        raise Skip(f"nsa_jax lacks {missing}")
+    import jax
+    import jax.numpy as jnp
+
+    if backend == "pallas":
+        on_pallas = _pallas_branches(nsa_jax)
+        path = ("pallas", "xla")
+        label = f"nsa_jax backend=(pallas,xla) pallas: {'+'.join(on_pallas) or 'none'}"
+    else:
+        path, label = backend, f"nsa_jax backend={backend}"
+
+    def kw(fn):
+        return {"backend": path} if _accepts(fn, "backend") else {}
+
+    def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params):
+        cmp_k = cmp_params["cmp_k"] if cfg.compress == "mlp" else None
+        cmp_v = cmp_params["cmp_v"] if cfg.compress == "mlp" else None
+        k_cmp = nsa_jax.compress_kv(k_cmp_in, cmp_k, cfg, **kw(nsa_jax.compress_kv))
+        v_cmp = nsa_jax.compress_kv(v_cmp_in, cmp_v, cfg, **kw(nsa_jax.compress_kv))
+        o_cmp = nsa_jax.compressed_attention(q, k_cmp, v_cmp, cfg,
+                                             **kw(nsa_jax.compressed_attention))
+        # Selection has no gradient (spec step 6); stop_gradient keeps autodiff out of it.
+        block_idx = nsa_jax.select_blocks(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp),
+                                          cfg, **kw(nsa_jax.select_blocks))
+        o_sel = nsa_jax.selected_attention(q, k_sel, v_sel, block_idx, cfg.sel_block,
+                                           **kw(nsa_jax.selected_attention))
+        o_win = nsa_jax.sliding_window_attention(q, k_win, v_win, cfg.window,
+                                                 **kw(nsa_jax.sliding_window_attention))
+        gates = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
+        o = (gates[..., 0:1] * o_cmp.astype(jnp.float32)
+             + gates[..., 1:2] * o_sel.astype(jnp.float32)
+             + gates[..., 2:3] * o_win.astype(jnp.float32))
+        return o.astype(q.dtype)
+
+    return core, label
+
+
+def _nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = _jnp_dtype(args.dtype)
+    B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
+
+    def make(seed: int):
+        keys = iter(jax.random.split(jax.random.PRNGKey(seed), 20))
+
+        def normal(shape, scale=1.0):
+            return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+        q = normal((B, S, H, dk))
+        if shared_kv:
+            k, v = normal((B, S, G, dk)), normal((B, S, G, dv))
+            kv = (k, v, k, v, k, v)
+        else:
+            kv = tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
+        gate_logits = normal((B, S, H, 3))
+        cmp_params = {}
+        if cfg.compress == "mlp":
+            for name, dim in (("cmp_k", dk), ("cmp_v", dv)):
+                cmp_params[name] = {"pos": normal((G, l, dim), 0.02),
+                                    "w1": normal((G, l * dim, dim), 1 / math.sqrt(l * dim)),
+                                    "b1": jnp.zeros((G, dim), dtype),
+                                    "w2": normal((G, dim, dim), 1 / math.sqrt(dim)),
+                                    "b2": jnp.zeros((G, dim), dtype)}
+        cotangent = normal((B, S, H, dv))
+        return (q, *kv, gate_logits, cmp_params), cotangent
+
+    return make
+
+
+def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
+    if backend == "pallas" and args.device != "gpu":
+        raise Skip("Pallas kernels need a GPU (interpret mode is not a timing)")
+    cfg = nsa_config(args, fla_like)
+    core, label = _nsa_jax_core(cfg, backend)
+    base = dict(_base_record(args, row, S, cfg), impl=label)
+    return _jax_time_passes(core, _nsa_jax_inputs(cfg, args, S, shared_kv=fla_like), args, base)
+
+
+def _full_jax_inputs(args, S: int):
+    import jax
+    import jax.numpy as jnp
+
+    dtype = _jnp_dtype(args.dtype)
+
+    def make(seed: int):
+        kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+        q = jax.random.normal(kq, (args.B, S, args.H, args.dk), jnp.float32).astype(dtype)
+        k = jax.random.normal(kk, (args.B, S, args.G, args.dk), jnp.float32).astype(dtype)
+        v = jax.random.normal(kv, (args.B, S, args.G, args.dv), jnp.float32).astype(dtype)
+        cotangent = jax.random.normal(kc, (args.B, S, args.H, args.dv), jnp.float32).astype(dtype)
+        return (q, k, v), cotangent
+
+    return make
+
+
+def run_dot_product_attention(args, S: int, implementation: str, row: str):
+    import jax
+
+    if implementation == "cudnn" and args.device != "gpu":
+        raise Skip("cuDNN needs a GPU")
+    if implementation == "cudnn" and args.dtype == "float32":
+        raise Skip("cuDNN flash attention takes bf16/fp16 only")
+
+    def full(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=implementation)
+
+    base = dict(_base_record(args, row, S), impl=f"jax.nn.dot_product_attention[{implementation}]",
+                compress="", l="", d="", l_sel="", n_sel="", w="")
+    return _jax_time_passes(full, _full_jax_inputs(args, S), args, base)
+
+
+def run_fa3(args, S: int, row: str):
+    if args.device != "gpu":
+        raise Skip("FlashAttention-3 needs a Hopper GPU")
+    if args.dtype == "float32":
+        raise Skip("FlashAttention-3 takes bf16/fp16 only")
+    try:
+        from flash_attn3_jax import flash_mha
+    except ImportError as exc:
+        raise Skip(f"flash_attn3_jax not importable ({exc})") from None
+
+    def full(q, k, v):
+        return flash_mha(q, k, v, is_causal=True)
+
+    base = dict(_base_record(args, row, S), impl="flash_attn3_jax.flash_mha", compress="", l="",
+                d="", l_sel="", n_sel="", w="")
+    return _jax_time_passes(full, _full_jax_inputs(args, S), args, base)
+
+
+def run_projections(args, S: int, row: str):
+    """x @ [Wq | Wk (3 branches) | Wv (3 branches) | Wg] and o @ Wo: the layer's matmuls."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = _jnp_dtype(args.dtype)
+    H, G, dk, dv, D = args.H, args.G, args.dk, args.dv, args.d_model
+    width_in = H * dk + 3 * G * (dk + dv) + 3 * H
+
+    def projections(x, w_in, o, w_out):
+        return (x @ w_in).sum(axis=-1) + (o @ w_out).sum(axis=-1)
+
+    def make(seed: int):
+        keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+        x = jax.random.normal(keys[0], (args.B, S, D), jnp.float32).astype(dtype)
+        w_in = (jax.random.normal(keys[1], (D, width_in), jnp.float32) / math.sqrt(D)).astype(dtype)
+        o = jax.random.normal(keys[2], (args.B, S, H * dv), jnp.float32).astype(dtype)
+        w_out = (jax.random.normal(keys[3], (H * dv, D), jnp.float32)
+                 / math.sqrt(H * dv)).astype(dtype)
+        cotangent = jax.random.normal(keys[4], (args.B, S), jnp.float32).astype(dtype)
+        return (x, w_in, o, w_out), cotangent
+
+    base = dict(_base_record(args, row, S), impl=f"jnp matmuls d_model={D}", compress="", l="",
+                d="", l_sel="", n_sel="", w="", note="RoPE and reshapes not included")
+    return _jax_time_passes(projections, make, args, base)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch rows
+# ---------------------------------------------------------------------------------------------
+def _torch_setup(args):
+    import torch
+
+    if args.device == "gpu" and not torch.cuda.is_available():
+        raise Skip("torch sees no CUDA device")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[args.dtype]
+    return torch, ("cuda" if args.device == "gpu" else "cpu"), dtype
+
+
+def _torch_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
+                       base: dict[str, Any], device: str) -> list[dict[str, Any]]:
+    """Forward (no autograd) and forward+backward records of `fn(*inputs) -> tensor`."""
+    import torch
+
+    sets = [make_inputs(seed) for seed in range(args.rotate)]
+    cuda = device == "cuda"
+    records = []
+
+    def forward(i):
+        with torch.no_grad():
+            return fn(*sets[i % len(sets)][0])
+
+    def forward_backward(i):
+        inputs, cotangent = sets[i % len(sets)]
+        out = fn(*inputs)
+        return torch.autograd.grad(out, [x for x in inputs if x.requires_grad], cotangent)
+
+    for pass_name, step in (("fwd", forward), ("fwd_bwd", forward_backward)):
+        record = dict(base, **{"pass": pass_name})
+        try:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            timing = common.time_torch(step, iters=args.iters, warmup=args.warmup,
+                                       repeats=args.repeats, device=device)
+            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max)
+            if cuda:
+                record.update(peak_mb=common.mb(torch.cuda.max_memory_allocated()),
+                              peak_source="torch.cuda.max_memory_allocated")
+        except Skip:
+            raise
+        except Exception as exc:
+            record.update(status=common.classify_exception(exc), note=common.short_error(exc))
+            if cuda:
+                torch.cuda.empty_cache()
+        records.append(record)
+    return records
+
+
+def _torch_normal(torch, shape, dtype, device, generator, scale=1.0, grad=True):
+    x = (torch.randn(shape, generator=generator, device=device, dtype=torch.float32) * scale)
+    return x.to(dtype).requires_grad_(grad)
+
+
+# Preferred registered backends of nsa_torch_ref per branch, fastest first; "sdpa" is the fallback.
+TORCH_PREFERENCES = {"compressed_attention": ("fa2", "flash", "triton"),
+                     "selected_attention": ("triton",),
+                     "sliding_window_attention": ("fa2", "flash")}
+TORCH_BRANCH_KEYS = {"cmp": "compressed_attention", "sel": "selected_attention",
+                     "win": "sliding_window_attention"}
+
+
+def torch_kernels(args):
+    """{branch: (name, fn)}: `--torch_backends cmp=fa2,sel=triton,win=fa2` or the fastest registered."""
+    try:
+        from nsa_torch_ref import dispatch
+    except ImportError as exc:
+        raise Skip(f"nsa_torch_ref not importable ({exc})") from None
+    import importlib
+
+    # Fast paths register themselves with `dispatch` when imported.
+    for module in ("nsa_torch_ref.triton_selection", "nsa_torch_ref.fa2", "nsa_torch_ref.routing"):
+        try:
+            importlib.import_module(module)
+        except Exception:
+            pass
+    chosen: dict[str, str] = {}
+    if args.torch_backends:
+        for item in args.torch_backends.split(","):
+            key, _, name = item.partition("=")
+            if key.strip() not in TORCH_BRANCH_KEYS or not name.strip():
+                raise ValueError(f"--torch_backends ({args.torch_backends!r}) must look like "
+                                 f"cmp=fa2,sel=triton,win=fa2")
+            chosen[TORCH_BRANCH_KEYS[key.strip()]] = name.strip()
+    kernels = {}
+    for branch in dispatch.BRANCHES:
+        if branch not in chosen:
+            names = dispatch.available(branch)
+            fast = [n for n in TORCH_PREFERENCES.get(branch, ()) if n in names]
+            chosen[branch] = fast[0] if fast and args.device == "gpu" else dispatch.DEFAULT_BACKEND
+        kernels[branch] = (chosen[branch], dispatch.resolve(branch, chosen[branch]))
+    return kernels
+
+
+def run_nsa_torch(args, S: int, fla_like: bool, row: str):
+    torch, device, dtype = _torch_setup(args)
+    try:
+        from nsa_torch_ref import reference
+    except ImportError as exc:
+        raise Skip(f"nsa_torch_ref not importable ({exc})") from None
+    cfg = nsa_config(args, fla_like)
+    kernels = torch_kernels(args)
+    cmp_fn = kernels["compressed_attention"][1]
+    sel_fn = kernels["selected_attention"][1]
+    win_fn = kernels["sliding_window_attention"][1]
+    n_cmp_params = 5 if cfg.compress == "mlp" else 0
+
+    def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, *cmp_tensors):
+        names = ("pos", "w1", "b1", "w2", "b2")
+        cmp_k = dict(zip(names, cmp_tensors[:5])) if n_cmp_params else None
+        cmp_v = dict(zip(names, cmp_tensors[5:])) if n_cmp_params else None
+        k_cmp = reference.compress_kv(k_cmp_in, cmp_k, cfg)
+        v_cmp = reference.compress_kv(v_cmp_in, cmp_v, cfg)
+        o_cmp = cmp_fn(q, k_cmp, v_cmp, cfg)
+        with torch.no_grad():
+            block_idx = reference.select_blocks(q.detach(), k_cmp.detach(), cfg)
+        o_sel = sel_fn(q, k_sel, v_sel, block_idx, cfg.sel_block)
+        o_win = win_fn(q, k_win, v_win, cfg.window)
+        gates = torch.sigmoid(gate_logits.float())
+        o = gates[..., 0:1] * o_cmp.float() + gates[..., 1:2] * o_sel.float() \
+            + gates[..., 2:3] * o_win.float()
+        return o.to(q.dtype)
+
+    B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
+
+    def make(seed: int):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        normal = lambda shape, scale=1.0: _torch_normal(torch, shape, dtype, device, gen, scale)  # noqa: E731
+        q = normal((B, S, H, dk))
+        if fla_like:
+            k, v = normal((B, S, G, dk)), normal((B, S, G, dv))
+            kv = (k, v, k, v, k, v)
+        else:
+            kv = tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
+        cmp_tensors = []
+        if n_cmp_params:
+            for dim in (dk, dv):
+                cmp_tensors += [normal((G, l, dim), 0.02),
+                                normal((G, l * dim, dim), 1 / math.sqrt(l * dim)),
+                                normal((G, dim), 0.0), normal((G, dim, dim), 1 / math.sqrt(dim)),
+                                normal((G, dim), 0.0)]
+        inputs = (q, *kv, normal((B, S, H, 3)), *cmp_tensors)
+        cotangent = torch.randn((B, S, H, dv), generator=gen, device=device).to(dtype)
+        return inputs, cotangent
+
+    base = _base_record(args, row, S, cfg)
+    base["impl"] = "nsa_torch_ref " + " ".join(f"{b.split('_')[0]}={name}"
+                                               for b, (name, _) in kernels.items())
+    return _torch_time_passes(core, make, args, base, device)
+
+
+def run_torch_sdpa(args, S: int, backend: str, row: str):
+    torch, device, dtype = _torch_setup(args)
+    if device != "cuda":
+        raise Skip(f"SDPA {backend} backend needs a GPU")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    sdp_backend = {"flash": SDPBackend.FLASH_ATTENTION,
+                   "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    h = args.H // args.G
+    expand = {"gqa": True}
+
+    def full(q, k, v):
+        q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))  # BTHD -> BHTD (views)
+        with sdpa_kernel(sdp_backend):
+            if expand["gqa"]:
+                o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=h > 1)
+            else:
+                o = F.scaled_dot_product_attention(q_, k_.repeat_interleave(h, dim=1),
+                                                   v_.repeat_interleave(h, dim=1), is_causal=True)
+        return o.transpose(1, 2)
+
+    def make(seed: int):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q = _torch_normal(torch, (args.B, S, args.H, args.dk), dtype, device, gen)
+        k = _torch_normal(torch, (args.B, S, args.G, args.dk), dtype, device, gen)
+        v = _torch_normal(torch, (args.B, S, args.G, args.dv), dtype, device, gen)
+        return (q, k, v), torch.randn((args.B, S, args.H, args.dv), generator=gen,
+                                      device=device).to(dtype)
+
+    note = ""
+    try:  # some backends refuse enable_gqa: fall back to expanded K/V (counted in the timing)
+        inputs, _ = make(0)
+        with torch.no_grad():
+            full(*inputs)
+        del inputs
+    except RuntimeError:
+        expand["gqa"] = False
+        note = "K/V expanded to H heads inside the timed call (backend refused enable_gqa)"
+    base = dict(_base_record(args, row, S), impl=f"torch SDPA[{backend}]", compress="", l="",
+                d="", l_sel="", n_sel="", w="", note=note)
+    return _torch_time_passes(full, make, args, base, device)
+
+
+def run_fla(args, S: int, row: str):
+    torch, device, dtype = _torch_setup(args)
+    if device != "cuda":
+        raise Skip("fla-org parallel_nsa is Triton on a GPU")
+    h = args.H // args.G
+    if h < 16 or h & (h - 1):
+        raise Skip(f"fla-org parallel_nsa needs h = H/G a power of two >= 16 (h = {h})")
+    try:
+        from fla.ops.nsa import parallel_nsa
+    except ImportError as exc:
+        raise Skip(f"fla not importable ({exc})") from None
+    cfg = nsa_config(args, fla_like=True)
+
+    def nsa(q, k, v, gate_logits):
+        gates = torch.sigmoid(gate_logits.float()).to(q.dtype)
+        return parallel_nsa(q, k, v, g_cmp=gates[..., 0], g_slc=gates[..., 1],
+                            g_swa=gates[..., 2], block_counts=cfg.n_sel,
+                            block_size=cfg.sel_block, window_size=cfg.window)
+
+    def make(seed: int):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q = _torch_normal(torch, (args.B, S, args.H, args.dk), dtype, device, gen)
+        k = _torch_normal(torch, (args.B, S, args.G, args.dk), dtype, device, gen)
+        v = _torch_normal(torch, (args.B, S, args.G, args.dv), dtype, device, gen)
+        g = _torch_normal(torch, (args.B, S, args.H, 3), dtype, device, gen)
+        return (q, k, v, g), torch.randn((args.B, S, args.H, args.dv), generator=gen,
+                                         device=device).to(dtype)
+
+    base = dict(_base_record(args, row, S, cfg), impl="fla.ops.nsa.parallel_nsa")
+    return _torch_time_passes(nsa, make, args, base, device)
+
+
+ROW_RUNNERS: dict[str, Callable] = {
+    "nsa_jax_pallas": lambda a, S, r: run_nsa_jax(a, S, "pallas", False, r),
+    "nsa_jax_xla": lambda a, S, r: run_nsa_jax(a, S, "xla", False, r),
+    "nsa_jax_pallas_fla": lambda a, S, r: run_nsa_jax(a, S, "pallas", True, r),
+    "nsa_jax_xla_fla": lambda a, S, r: run_nsa_jax(a, S, "xla", True, r),
+    "nsa_torch": lambda a, S, r: run_nsa_torch(a, S, False, r),
+    "nsa_torch_fla": lambda a, S, r: run_nsa_torch(a, S, True, r),
+    "fla_parallel_nsa": run_fla,
+    "cudnn_full": lambda a, S, r: run_dot_product_attention(a, S, "cudnn", r),
+    "fa3_full": run_fa3,
+    "torch_sdpa_flash": lambda a, S, r: run_torch_sdpa(a, S, "flash", r),
+    "torch_sdpa_cudnn": lambda a, S, r: run_torch_sdpa(a, S, "cudnn", r),
+    "xla_full": lambda a, S, r: run_dot_product_attention(a, S, "xla", r),
+    "projections": run_projections,
+}
+assert set(ROW_RUNNERS) == set(ROWS)
+
+
+def run_row(args, row: str, on_record: Optional[Callable[[list], None]] = None) -> list[dict]:
+    """Every S of one row, smallest first; an OOM marks the larger S "oom" without running them."""
+    records: list[dict] = []
+    oom_from: Optional[int] = None
+    for S in sorted(args.S):
+        if oom_from is not None:
+            records += [dict(_base_record(args, row, S), **{"pass": p}, status=OOM,
+                             note=f"not run: oom at S={oom_from}") for p in PASSES]
+            continue
+        try:
+            new = ROW_RUNNERS[row](args, S, row)
+        except Skip as why:
+            new = [dict(_base_record(args, row, S), **{"pass": p}, status=SKIPPED,
+                        note=f"skipped: {why}") for p in PASSES]
+        except Exception as exc:
+            status = common.classify_exception(exc)
+            new = [dict(_base_record(args, row, S), **{"pass": p}, status=status,
+                        note=common.short_error(exc)) for p in PASSES]
+        if any(r["status"] == OOM for r in new) and all(r["status"] != OK for r in new):
+            oom_from = S
+        for r in new:
+            if r["status"] == SKIPPED:
+                print(f"{row} S={S} {r['pass']}: {r['note']}", flush=True)
+        records += new
+        if on_record:
+            on_record(records)
+        if all(r["status"] == SKIPPED for r in new):
+            # A skip does not depend on S: record the rest without trying again.
+            for S_rest in [s for s in sorted(args.S) if s > S]:
+                records += [dict(r, S=S_rest) for r in new]
+            break
+    return records
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary, CSV, plot
+# ---------------------------------------------------------------------------------------------
+def add_speedups(records: list[dict], baseline: Optional[str]) -> None:
+    """Fill `speedup` (baseline ms / row ms) and `baseline` for every ok record."""
+    ok = {(r["row"], r["S"], r["pass"]): r for r in records if r.get("status") == OK}
+    for record in records:
+        if record.get("status") != OK or record["row"] == "projections":
+            continue
+        candidates = [baseline] if baseline else BASELINES
+        for name in candidates:
+            ref = ok.get((name, record["S"], record["pass"]))
+            if ref and ref.get("ms"):
+                record["speedup"] = ref["ms"] / record["ms"]
+                record["baseline"] = name
+                break
+
+
+def summary_table(records: list[dict]) -> str:
+    by_key: dict[tuple, dict] = {}
+    for r in records:
+        by_key.setdefault((r["row"], int(r["S"])), {})[r["pass"]] = r
+    rows = []
+    for (row, S), passes in sorted(by_key.items(), key=lambda kv: (ROWS.index(kv[0][0])
+                                                                   if kv[0][0] in ROWS else 99,
+                                                                   kv[0][1])):
+        fwd, both = passes.get("fwd", {}), passes.get("fwd_bwd", {})
+
+        def value(r, key):
+            return common.to_float(r.get(key)) if r.get("status") == OK else None
+
+        statuses = {r.get("status") for r in (fwd, both) if r}
+        status = OK if statuses == {OK} else ",".join(sorted(s for s in statuses if s))
+        rows.append([row, S, value(fwd, "ms"), value(both, "ms"), value(both, "peak_mb"),
+                     value(fwd, "speedup"), value(both, "speedup"),
+                     fwd.get("baseline") or both.get("baseline") or "-", status])
+    header = ["row", "S", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_peak_mb", "speedup_fwd",
+              "speedup_fwd_bwd", "baseline", "status"]
+    return common.format_table(rows, header)
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+    panels = []
+    for pass_name in PASSES:
+        latency: dict[str, list] = {}
+        speedup: dict[str, list] = {}
+        for r in records:
+            if r["pass"] != pass_name or r.get("status") != OK:
+                continue
+            latency.setdefault(r["row"], []).append((int(r["S"]), common.to_float(r["ms"])))
+            if r.get("speedup") is not None and r["row"] not in (*BASELINES, "projections"):
+                speedup.setdefault(r["row"], []).append((int(r["S"]),
+                                                         common.to_float(r["speedup"])))
+        label = "forward" if pass_name == "fwd" else "forward + backward"
+        panels.append({"title": f"{label}: latency", "xlabel": "context length S",
+                       "ylabel": "ms (median)", "series": latency, "logy": True})
+        panels.append({"title": f"{label}: speed-up over full attention",
+                       "xlabel": "context length S", "ylabel": "x faster", "series": speedup,
+                       "logy": False, "hline": 1.0})
+    common.plot_lines(path, panels, title)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--S_list", default="8k,16k,32k,64k",
+                   help="context lengths, comma list; 'k' = 1024 (add 128k when memory allows)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per repeat")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
+    p.add_argument("--rotate", type=int, default=3, help="distinct input buffers cycled")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--rows", default=None,
+                   help=f"comma subset of: {','.join(ROWS)} (default: all for the device)")
+    p.add_argument("--out", default="artifacts/bench", help="directory for CSV, PNG, env, summary")
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--H", type=int, default=64)
+    p.add_argument("--G", type=int, default=4)
+    p.add_argument("--dk", type=int, default=128, help="query/key head dim (paper: 192)")
+    p.add_argument("--dv", type=int, default=128, help="value head dim (paper: 128)")
+    p.add_argument("--d_model", type=int, default=2560, help="hidden size of the projections row")
+    p.add_argument("--l", type=int, default=32, help="compression block")
+    p.add_argument("--d", type=int, default=16, help="compression stride")
+    p.add_argument("--l_sel", type=int, default=64, help="selection block")
+    p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
+    p.add_argument("--w", type=int, default=512, help="sliding window")
+    p.add_argument("--compress", default="mlp", choices=("mlp", "mean"))
+    p.add_argument("--torch_backends", default=None,
+                   help="nsa_torch backends, e.g. cmp=fa2,sel=triton,win=fa2 (default: fastest)")
+    p.add_argument("--baseline", default=None, choices=BASELINES,
+                   help="full-attention row for the speed-ups (default: first that ran)")
+    p.add_argument("--isolate", default="row", choices=("row", "none"),
+                   help="run each row in its own process (default) or all in this one")
+    p.add_argument("--row_timeout", type=float, default=900.0, help="seconds per isolated row")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.dtype = DTYPES[args.dtype]
+    args.S = common.parse_int_list(args.S_list, "--S_list")
+    for name in ("iters", "repeats", "rotate", "B", "H", "G", "dk", "dv", "d_model"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.rows:
+        args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+        unknown = [r for r in args.rows if r not in ROWS]
+        if unknown:
+            raise ValueError(f"--rows has unknown rows {unknown}; known: {list(ROWS)}")
+    else:
+        args.rows = list(DEFAULT_ROWS[args.device])
+    nsa_config(args)  # validate the NSA hyperparameters up front (ValueError naming the field)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    common.setup_device(args.device)
+    args.device_label = common.device_name(args.device)
+
+    if args.worker:  # one isolated row: write its records and leave
+        records = run_row(args, args.worker,
+                          on_record=lambda recs: common.save_records(args.worker_out, recs))
+        common.save_records(args.worker_out, records)
+        return 0
+
+    os.makedirs(args.out, exist_ok=True)
+    env = common.write_environment(os.path.join(args.out, "prefill_env.json"),
+                                   {"argv": argv, "device_label": args.device_label})
+    records: list[dict] = []
+    script = os.path.abspath(__file__)
+    with tempfile.TemporaryDirectory(prefix="bench_prefill_") as tmp_dir:
+        for row in common.progress(args.rows, desc="prefill rows", enabled=not args.no_progress):
+            if args.isolate == "row":
+                new, failure = common.run_row_subprocess(script, argv, row, args.row_timeout,
+                                                         tmp_dir)
+                done = {(r["S"], r["pass"]) for r in new}
+                for S in args.S:
+                    for p in PASSES:
+                        if (S, p) not in done:
+                            status = common.TIMEOUT if failure == common.TIMEOUT else ERROR
+                            new.append(dict(_base_record(args, row, S), **{"pass": p},
+                                            status=status, note=failure or "no result"))
+                records += new
+            else:
+                records += run_row(args, row)
+    add_speedups(records, args.baseline)
+    csv_path = os.path.join(args.out, "prefill.csv")
+    png_path = os.path.join(args.out, "prefill.png")
+    common.write_csv(csv_path, records, COLUMNS)
+    title = (f"NSA prefill: B={args.B} H={args.H} G={args.G} dk={args.dk} dv={args.dv} "
+             f"{args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
+    plot(records, png_path, title)
+    table = summary_table(records)
+    with open(os.path.join(args.out, "prefill_summary.txt"), "w") as f:
+        f.write(title + "\n\n" + table + "\n")
+    print(f"wrote {csv_path}, {png_path}")
+    print(title)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""Shared helpers of the benchmark scripts: device setup, timing, memory, CSV, plots, environment.
+
+Importing this module sets `XLA_PYTHON_CLIENT_PREALLOCATE=false` (unless the caller set it): JAX
+would otherwise reserve 75% of the GPU at start-up, and the torch rows that follow in the same
+process, or the peak-memory figures, would measure JAX's reservation instead of the work.
+
+Timing is device-side in the sense that matters for a queue-fed accelerator:
+- JAX: one jitted callable, warmed up (compilation excluded), then `iters` calls dispatched back
+  to back over `rotate` distinct input buffers and one `block_until_ready` on the last output;
+  a repeat's per-iteration time is its wall time / iters. The figure is the median over repeats.
+  The device runs the calls in order on one stream, so the host only waits once per repeat and
+  dispatch overlaps execution.
+- torch on CUDA: a `torch.cuda.Event` pair around every call, one synchronize at the end, the
+  median of the per-call times. On CPU, `time.perf_counter` around every call.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Row statuses written to the CSV.
+OK, OOM, SKIPPED, ERROR, TIMEOUT = "ok", "oom", "skipped", "error", "timeout"
+
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OutOfMemory",
+                "CUDA_ERROR_OUT_OF_MEMORY", "Failed to allocate")
+
+
+class Skip(Exception):
+    """Raised by a row that cannot run here (missing package, no GPU, unsupported shape)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Device and argument helpers
+# ---------------------------------------------------------------------------------------------
+def setup_device(device: str) -> None:
+    """Pin JAX to the requested platform before it is imported. `device` is "gpu" or "cpu"."""
+    if device not in ("gpu", "cpu"):
+        raise ValueError(f"device ({device!r}) must be 'gpu' or 'cpu'")
+    if device == "cpu":
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    else:
+        os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu")
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """'8k,16k,65536' -> [8192, 16384, 65536]; a 'k' suffix multiplies by 1024."""
+    values = []
+    for item in str(text).split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        try:
+            value = int(item[:-1]) * 1024 if item.endswith("k") else int(item)
+        except ValueError:
+            raise ValueError(f"{name} ({text!r}) must be a comma list of ints (8k = 8192)") from None
+        if value <= 0:
+            raise ValueError(f"{name} ({text!r}) must hold positive ints")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{name} ({text!r}) is empty")
+    return values
+
+
+def classify_exception(exc: BaseException) -> str:
+    """OOM when the message or type says the device ran out of memory, else ERROR."""
+    text = f"{type(exc).__name__}: {exc}"
+    if any(marker in text for marker in _OOM_MARKERS):
+        return OOM
+    return ERROR
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    """One line, for the CSV's note column."""
+    line = f"{type(exc).__name__}: {exc}".replace("\n", " ").replace(",", ";")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-iteration milliseconds: the median over repeats, and the fastest and slowest repeat."""
+
+    ms: float
+    ms_min: float
+    ms_max: float
+    samples: int
+
+
+def _summarise(per_iter_ms: Sequence[float]) -> Timing:
+    return Timing(ms=statistics.median(per_iter_ms), ms_min=min(per_iter_ms),
+                  ms_max=max(per_iter_ms), samples=len(per_iter_ms))
+
+
+def _check_counts(iters: int, warmup: int, repeats: int) -> None:
+    for name, value, low in (("iters", iters, 1), ("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} ({value!r}) must be an int >= {low}")
+
+
+def time_jax(step: Callable[[int], Any], *, iters: int, warmup: int, repeats: int = 5) -> Timing:
+    """Time `step(i)` (launches iteration i, returns its output pytree) on a JAX device.
+
+    `step` should pick its inputs by `i % rotate` so consecutive calls read different buffers.
+    A step that carries state (decode) keeps it in a closure; the last output is what we block on.
+    """
+    import jax
+
+    _check_counts(iters, warmup, repeats)
+    out = None
+    for i in range(warmup):
+        out = step(i)
+    jax.block_until_ready(out)
+    per_iter = []
+    count = warmup
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = step(count)
+            count += 1
+        jax.block_until_ready(out)
+        per_iter.append((time.perf_counter() - start) * 1e3 / iters)
+    return _summarise(per_iter)
+
+
+def time_torch(step: Callable[[int], Any], *, iters: int, warmup: int, repeats: int = 5,
+               device: str = "cuda") -> Timing:
+    """Time `step(i)` with CUDA events around every call (perf_counter on CPU).
+
+    `iters * repeats` calls are timed one by one; the figure is their median.
+    """
+    import torch
+
+    _check_counts(iters, warmup, repeats)
+    cuda = device.startswith("cuda")
+    for i in range(warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize()
+    total = iters * repeats
+    if cuda:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(total)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            step(warmup + i)
+            end.record()
+        torch.cuda.synchronize()
+        per_iter = [start.elapsed_time(end) for start, end in events]
+    else:
+        per_iter = []
+        for i in range(total):
+            start = time.perf_counter()
+            step(warmup + i)
+            per_iter.append((time.perf_counter() - start) * 1e3)
+    return _summarise(per_iter)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+def jax_compiled_peak_bytes(compiled) -> Optional[int]:
+    """Peak bytes of one compiled JAX program from XLA's static memory analysis.
+
+    Arguments + outputs + temporaries - aliased (donated) bytes; `peak_memory_in_bytes` when the
+    backend reports it. None when the backend gives no analysis.
+    """
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if analysis is None:
+        return None
+    peak = getattr(analysis, "peak_memory_in_bytes", None)
+    if peak:
+        return int(peak)
+    total = 0
+    for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+        total += int(getattr(analysis, field, 0) or 0)
+    total -= int(getattr(analysis, "alias_size_in_bytes", 0) or 0)
+    return total if total > 0 else None
+
+
+def jax_device_peak_bytes() -> Optional[int]:
+    """The device allocator's high-water mark since process start (None on CPU).
+
+    JAX cannot reset it, so it is only per-row when each row runs in its own process
+    (`--isolate row`, the default) and S grows along the row.
+    """
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:
+        return None
+    if not stats:
+        return None
+    value = stats.get("peak_bytes_in_use")
+    return int(value) if value is not None else None
+
+
+def mb(value: Optional[int]) -> Optional[float]:
+    return None if value is None else round(value / 2**20, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str:
+    """The commit label: the COMMIT environment variable when set (the runner exports it), else
+    `git rev-parse HEAD`, else "unknown" (the device tool's copy of the tree has no .git)."""
+    if os.environ.get("COMMIT") and os.environ["COMMIT"] != "unknown":
+        return os.environ["COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def nvidia_smi() -> Optional[str]:
+    """`name, driver, memory` of each GPU, or None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def environment() -> dict[str, Any]:
+    """Versions, device and commit: what a figure needs to be reproducible. Imports nothing heavy."""
+    packages = ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "torch", "triton",
+                "flash_attn3_jax", "fla-core", "flash-linear-attention", "flash-attn", "numpy",
+                "matplotlib")
+    return {
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "gpu": nvidia_smi(),
+        "versions": {name: _version(name) for name in packages if _version(name)},
+        "env": {key: os.environ[key] for key in sorted(os.environ)
+                if key.startswith(("NSA_", "XLA_", "JAX_", "CUDA_VISIBLE"))},
+    }
+
+
+def device_name(device: str) -> str:
+    """A short device label for the CSV: the GPU's name from nvidia-smi, or 'cpu'."""
+    if device == "cpu":
+        return "cpu"
+    smi = nvidia_smi()
+    return smi.splitlines()[0].split(",")[0].strip() if smi else "gpu"
+
+
+def write_environment(path: str, extra: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    env = environment()
+    if extra:
+        env.update(extra)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(env, f, indent=2, sort_keys=True)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV
+# ---------------------------------------------------------------------------------------------
+def write_csv(path: str, rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    """Write `rows` with exactly `columns` (missing values empty; unknown keys are an error)."""
+    for row in rows:
+        unknown = sorted(set(row) - set(columns))
+        if unknown:
+            raise ValueError(f"rows have columns {unknown} not in columns {list(columns)}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: _csv_value(row.get(key)) for key in columns})
+
+
+def _csv_value(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
+
+
+def read_csv(path: str) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def to_float(value: Any) -> Optional[float]:
+    """CSV cell -> float, or None when empty / not a number."""
+    if value is None or value == "":
+        return None
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        return None
+    return result if math.isfinite(result) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables and plots
+# ---------------------------------------------------------------------------------------------
+def format_table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """A plain fixed-width table (numbers right-aligned)."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)),
+             "  ".join("-" * w for w in widths)]
+    for row, raw in zip(cells, rows):
+        lines.append("  ".join(c.rjust(w) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                               else c.ljust(w) for c, w, v in zip(row, widths, raw)))
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value >= 100:
+            return f"{value:.1f}"
+        if value >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def plot_lines(path: str, panels: Sequence[Mapping[str, Any]], title: str) -> None:
+    """One PNG with one panel per entry of `panels`.
+
+    A panel: {"title", "xlabel", "ylabel", "series": {label: [(x, y), ...]}, "logy": bool,
+    "hline": optional y}. x is plotted on a log2 axis (context lengths).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(panels))
+    cols = 2 if n > 1 else 1
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        drawn = False
+        for label, points in sorted(panel["series"].items()):
+            points = sorted((x, y) for x, y in points if y is not None)
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=label)
+            drawn = True
+        ax.set_xscale("log", base=2)
+        if panel.get("logy") and drawn:
+            ax.set_yscale("log")
+        if panel.get("hline") is not None:
+            ax.axhline(panel["hline"], color="grey", linestyle="--", linewidth=0.8)
+        ax.set_title(panel["title"])
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel(panel["ylabel"])
+        ax.grid(True, which="both", alpha=0.3)
+        if drawn:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row isolation: each row in its own process
+# ---------------------------------------------------------------------------------------------
+def run_row_subprocess(script: str, argv: Sequence[str], row: str, timeout_s: float,
+                       tmp_dir: str) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """Run `script --worker ROW --worker_out FILE <argv>` and return (records, failure note).
+
+    A row in its own process starts with an empty allocator (fair peak memory; JAX's memory
+    does not block the torch rows) and cannot take the whole run down when it crashes or hangs.
+    """
+    os.makedirs(tmp_dir, exist_ok=True)
+    out_path = os.path.join(tmp_dir, f"worker_{row}.json")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    command = [sys.executable, script, *argv, "--worker", row, "--worker_out", out_path]
+    log_path = os.path.join(tmp_dir, f"worker_{row}.log")
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                  cwd=REPO_ROOT)
+        failure = None if proc.returncode == 0 else f"worker exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        failure = TIMEOUT
+    records = []
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            records = json.load(f)
+    if failure and not records:
+        with open(log_path) as f:
+            tail = f.read()[-400:]
+        failure = f"{failure}: {tail}".replace("\n", " ").replace(",", ";")
+    return records, failure
+
+
+def save_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
+    """The worker's partial results, rewritten after every point so a crash keeps what finished."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(list(records), f)
+    os.replace(tmp, path)
+
+
+def debug_traceback() -> str:
+    return traceback.format_exc() if os.environ.get("NSA_BENCH_DEBUG") else ""
+
+
+def progress(iterable, total: Optional[int] = None, desc: str = "", enabled: bool = True):
+    """tqdm over the rows on stderr (a plain iterator without tqdm or when disabled)."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,35 @@
+"""Native Sparse Attention (DeepSeek NSA) for JAX: pure functions over parameter pytrees.
+
+Layer: `init_params`, `nsa_attention`. Decode: `init_cache`, `prefill`, `decode_step`.
+Kernel-level (BTHD): `compress_kv`, `compressed_attention`, `select_blocks`,
+`selected_attention`, `sliding_window_attention`. Backends plug in through
+`register_backend` (`nsa_jax.dispatch`); `"xla"` is built in.
+"""
+from nsa_common import NSAConfig
+from nsa_jax.decode import DecodeCache, decode_step, init_cache, prefill
+from nsa_jax.dispatch import known_backends, register_backend
+from nsa_jax.kernels import (compress_kv, compressed_attention, select_blocks,
+                             selected_attention, sliding_window_attention)
+from nsa_jax.layer import init_params, nsa_attention, param_shapes
+from nsa_jax.rope import apply_rope
+from nsa_jax.xla.options import XlaOptions
+
+__all__ = [
+    "DecodeCache",
+    "NSAConfig",
+    "XlaOptions",
+    "apply_rope",
+    "compress_kv",
+    "compressed_attention",
+    "decode_step",
+    "init_cache",
+    "init_params",
+    "known_backends",
+    "nsa_attention",
+    "param_shapes",
+    "prefill",
+    "register_backend",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+]

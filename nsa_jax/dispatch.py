@@ -1,0 +1,135 @@
+"""The one dispatch point between the layer / kernel-level API and the implementations.
+
+A registry maps `(branch, backend)` to a function. Plugging in a backend is one call, e.g.
+
+    register_backend("selected_attention", "pallas", pallas_kernels.selected_attention)
+
+Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a float):
+
+    compress_kv(k, cmp_params, cfg)
+    compressed_attention(q, k_cmp, v_cmp, cfg, *, scale, return_lse)
+    select_blocks(q, k_cmp, cfg, *, scale)
+    selected_attention(q, k, v, block_idx, *, block_size, scale)
+    sliding_window_attention(q, k, v, *, window, scale)
+
+plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
+only passed to backends registered with `packed=True`) and `options=` (that backend's entry of
+the caller's `options` mapping). An implementation that cannot handle its input raises
+`NotImplementedError`. `backend` is one name, or a sequence of names tried in order: only a
+sequence falls through (e.g. `("pallas", "xla")`); a single name never silently changes path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import jax
+
+from nsa_jax import xla
+
+BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
+            "sliding_window_attention")
+
+Backend = Union[str, Sequence[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    fn: Callable
+    packed: bool
+
+
+_REGISTRY: dict[tuple[str, str], _Entry] = {}
+
+
+def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = False) -> None:
+    """Make `fn` the `backend` implementation of `branch` (replacing any previous one).
+
+    packed: whether `fn` accepts `segments=` (packed sequences); if not, packed inputs are
+    handed to the next backend of the caller's list.
+    """
+    if branch not in BRANCHES:
+        raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES}")
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend ({backend!r}) must be a non-empty str")
+    _REGISTRY[(branch, backend)] = _Entry(fn, packed)
+
+
+def known_backends() -> tuple[str, ...]:
+    """Every backend name with at least one registered branch."""
+    return tuple(sorted({name for _, name in _REGISTRY}))
+
+
+def backend_names(backend: Backend) -> tuple[str, ...]:
+    """Validate `backend` (a name or a sequence of names) and return it as a tuple."""
+    names = (backend,) if isinstance(backend, str) else tuple(backend)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"backend ({backend!r}) must be a name or a non-empty sequence of names")
+    unknown = [n for n in names if n not in known_backends()]
+    if unknown:
+        raise ValueError(f"backend {unknown[0]!r} is unknown; known backends: "
+                         f"{list(known_backends())}")
+    return names
+
+
+def call(branch: str, backend: Backend, *args, segments=None,
+         options: Optional[Mapping[str, Any]] = None, **kwargs):
+    """Run `branch` on the first backend of `backend` that can handle the input."""
+    reasons = []
+    for name in backend_names(backend):
+        entry = _REGISTRY.get((branch, name))
+        if entry is None:
+            reasons.append(f"{name!r} has no {branch}")
+            continue
+        if segments is not None and not entry.packed:
+            reasons.append(f"{name!r} {branch} does not take packed sequences")
+            continue
+        extra = dict(kwargs)
+        if segments is not None:
+            extra["segments"] = segments
+        if options and name in options:
+            extra["options"] = options[name]
+        try:
+            return entry.fn(*args, **extra)
+        except NotImplementedError as err:
+            reasons.append(f"{name!r}: {err}")
+    raise NotImplementedError(f"no backend of {backend!r} can run {branch}: "
+                              + "; ".join(reasons))
+
+
+for _branch in BRANCHES:
+    register_backend(_branch, "xla", getattr(xla, _branch), packed=True)
+
+
+def static_options(options: Optional[Mapping[str, Any]]) -> Optional[tuple]:
+    """`options` as a hashable tuple of items, so it can be a static argument of `jax.jit`."""
+    if options is None:
+        return None
+    if not isinstance(options, Mapping):
+        raise ValueError(f"options must be a mapping of backend name -> options, got "
+                         f"{type(options).__name__}")
+    items = tuple(sorted(options.items()))
+    try:
+        hash(items)
+    except TypeError:
+        raise ValueError("options values must be hashable (frozen dataclasses such as "
+                         "XlaOptions)") from None
+    return items
+
+
+def static_backend(backend: Backend) -> Union[str, tuple[str, ...]]:
+    """`backend` validated and hashable."""
+    names = backend_names(backend)
+    return backend if isinstance(backend, str) else names
+
+
+@functools.partial(jax.jit, static_argnames=("branch", "backend", "options", "static_args",
+                                             "static_kwargs"))
+def jit_call(*arrays, branch: str, backend, options, static_args: tuple = (),
+             static_kwargs: tuple = ()):
+    """`call` compiled once per static configuration (eager callers would otherwise pay for
+    op-by-op dispatch). arrays: the array (pytree) arguments; static_args follow them
+    positionally; options / static_kwargs are tuples of items."""
+    return call(branch, backend, *arrays, *static_args,
+                options=dict(options) if options else None, **dict(static_kwargs))

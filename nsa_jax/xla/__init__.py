@@ -1,0 +1,22 @@
+"""The `"xla"` backend: exact, chunked over queries, plain `jax.numpy` / `lax`.
+
+One module per branch; `nsa_jax.dispatch` registers them. Runtime knobs live in `XlaOptions`.
+"""
+from nsa_jax.xla.compress import compress_blocks, compress_kv
+from nsa_jax.xla.compressed_attention import compressed_attention
+from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
+from nsa_jax.xla.select_blocks import select_blocks, top_blocks
+from nsa_jax.xla.selected_attention import selected_attention
+from nsa_jax.xla.sliding_window import sliding_window_attention
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "XlaOptions",
+    "compress_blocks",
+    "compress_kv",
+    "compressed_attention",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+    "top_blocks",
+]

@@ -1,0 +1,37 @@
+"""Runtime options of the XLA backend, in one place with their defaults."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaOptions:
+    """Query-chunk sizes and toggles of the `"xla"` implementations.
+
+    Every branch walks the queries in chunks of this many rows (`lax.map`, rematerialised in the
+    backward pass), so no `[T, T]` mask and no `[T, H, T]` score tensor ever exists. Peak memory
+    per chunk (float32 scores):
+      - compressed attention / selection: `[B, q_chunk, H, C]` with `C ~ T / d`;
+      - selected attention: the gathered keys and values `[B, q_chunk, G, n_sel * l_sel, d]`;
+      - sliding window: `[B, q_chunk, H, q_chunk + w - 1]`.
+
+    `window_cudnn`: on a GPU, hand the window branch to `jax.nn.dot_product_attention(...,
+    implementation="cudnn", local_window_size=(w - 1, 0))` when cuDNN can take the shapes
+    (bf16 / fp16, d_k == d_v, no packed sequences); otherwise the chunked banded path runs.
+    """
+
+    compressed_q_chunk: int = 128
+    select_q_chunk: int = 128
+    selected_q_chunk: int = 64
+    window_q_chunk: int = 128
+    window_cudnn: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.endswith("q_chunk") and (isinstance(value, bool)
+                                                    or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{field.name} ({value!r}) must be a positive int")
+
+
+DEFAULT_OPTIONS = XlaOptions()

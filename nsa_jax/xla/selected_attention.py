@@ -1,0 +1,67 @@
+"""Attention over the selected blocks (spec step 7), XLA path: gather per (query, KV head)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from nsa_jax.segments import Segments
+from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
+                                merge_heads, split_heads)
+from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
+
+
+def gather_tokens(x: jax.Array, token: jax.Array) -> jax.Array:
+    """x `[B, S, G, D]`, token `[B, Q, G, K]` (valid indices) -> `[B, Q, G, K, D]`."""
+    B, Q, G, K = token.shape
+    x_t = jnp.swapaxes(x, 1, 2)                                            # [B, G, S, D]
+    idx = jnp.swapaxes(token, 1, 2).reshape(B, G, Q * K, 1)
+    out = jnp.take_along_axis(x_t, idx, axis=2)                            # [B, G, Q*K, D]
+    return jnp.swapaxes(out.reshape(B, G, Q, K, x.shape[-1]), 1, 2)
+
+
+def selected_chunk(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array,
+                   q_pos: jax.Array, q_start: jax.Array, block_size: int, scale: float):
+    """One chunk of queries. q `[B, Q, H, d_k]`, k `[B, S, G, d_k]`, v `[B, S, G, d_v]`,
+    block_idx `[B, Q, G, n]` local block indices (-1 = none), q_pos / q_start `[B, Q]` local
+    position and first token of each query's sequence. -> `[B, Q, H, d_v]` in q's dtype.
+
+    Local token `j*l_sel + s` lives at `q_start + j*l_sel + s`; it is attended iff `j >= 0` and
+    it is `<= t` (hence also inside the query's sequence).
+    """
+    dtype = compute_dtype(q.dtype, k.dtype, v.dtype)
+    B, Q, G, n = block_idx.shape
+    local = block_idx[..., None] * block_size + jnp.arange(block_size, dtype=jnp.int32)
+    valid = (block_idx[..., None] >= 0) & (local <= q_pos[:, :, None, None, None])
+    token = jnp.clip(q_start[:, :, None, None, None] + local, 0, k.shape[1] - 1)
+    token, valid = token.reshape(B, Q, G, n * block_size), valid.reshape(B, Q, G, n * block_size)
+    k_sel, v_sel = gather_tokens(k, token), gather_tokens(v, token)       # [B, Q, G, K, D]
+    scores = einsum("bqghd,bqgkd->bqghk", split_heads(q, G), k_sel, dtype) * scale
+    p, _ = masked_softmax(scores, valid[:, :, :, None, :])
+    return merge_heads(einsum("bqghk,bqgkd->bqghd", p, v_sel, dtype)).astype(q.dtype)
+
+
+def selected_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array, *,
+                       block_size: int, scale: float, segments: Optional[Segments] = None,
+                       options: Optional[XlaOptions] = None) -> jax.Array:
+    """q `[B, T, H, d_k]`, k `[B, T, G, d_k]`, v `[B, T, G, d_v]`, block_idx int32
+    `[B, T, G, n]` -> `[B, T, H, d_v]`.
+
+    Gathers the `n * block_size` keys and values of each (query, KV head) inside a chunk:
+    `[B, q_chunk, G, n * block_size, d]` at a time.
+    """
+    options = options or DEFAULT_OPTIONS
+    B, T = q.shape[:2]
+    if segments is None:
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        start = jnp.zeros((B, T), jnp.int32)
+    else:
+        pos = jnp.broadcast_to(segments.pos, (B, T))
+        start = jnp.broadcast_to(segments.start, (B, T))
+
+    def body(chunk_start, q_c, idx_c, pos_c, start_c):
+        del chunk_start
+        return selected_chunk(q_c, k, v, idx_c, pos_c, start_c, block_size, scale)
+
+    return map_query_chunks(body, options.selected_q_chunk, q, block_idx, pos, start)

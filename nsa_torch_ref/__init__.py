@@ -1,0 +1,34 @@
+"""PyTorch reference implementation of Native Sparse Attention (shared/NSA_SPEC.md).
+
+`NSAAttention` is the layer; the kernel-level functions below are the reference ("packed SDPA /
+gather") path of its branches, which `dispatch` registers as backend "sdpa".
+"""
+from nsa_common import NSAConfig
+from nsa_torch_ref import dispatch
+from nsa_torch_ref.decode import NSACache, decode_step, init_cache, prefill
+from nsa_torch_ref.module import NSAAttention, nsa_forward
+from nsa_torch_ref.reference import (
+    apply_rope,
+    compress_kv,
+    compressed_attention,
+    select_blocks,
+    selected_attention,
+    sliding_window_attention,
+)
+
+__all__ = [
+    "NSAAttention",
+    "NSACache",
+    "NSAConfig",
+    "apply_rope",
+    "compress_kv",
+    "compressed_attention",
+    "decode_step",
+    "dispatch",
+    "init_cache",
+    "nsa_forward",
+    "prefill",
+    "select_blocks",
+    "selected_attention",
+    "sliding_window_attention",
+]

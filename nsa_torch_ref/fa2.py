@@ -1,0 +1,411 @@
+"""FlashAttention-2 paths for the sliding-window (spec step 8) and compressed (spec step 5) branches.
+
+Kernels, in order of preference (the first that can take the call runs it):
+1. the `flash_attn` package (`flash_attn_func` / `flash_attn_varlen_func`), when importable;
+2. torch's own FlashAttention-2: `torch.nn.attention.varlen.varlen_attn` (packed sequences, and
+   the sliding window when its signature has `window_size`), SDPA restricted to the flash backend
+   (dense causal attention);
+3. the reference (`nsa_torch_ref.reference`, backend "sdpa"). It also takes every call the
+   kernels cannot: CPU tensors, float32/float64, head dims over 256, `return_lse=True`.
+A fallback is logged (NSA_DEBUG_LOG); it is never silently wrong, only slower.
+
+Sliding window: query t sees keys t-w+1..t, which is FlashAttention's `causal=True,
+window_size=(w - 1, 0)`.
+
+Compressed branch: query t sees compressed block i iff `i*d + l - 1 <= t`. With T queries and
+C blocks this is not FlashAttention's causal mask for any offset: a bottom-right aligned causal
+mask lets query t see `t - (T - C) + 1` keys, one more per query, while here the count grows by
+one every `d` queries. It *is* a square causal mask after a fold: write `t = l - 1 + m*d + r`
+with `0 <= r < d`; query t sees blocks `0..m`. Folding `r` into the head axis turns the queries
+into a `[C, H*d]` grid where query m sees keys `0..m`: plain causal attention with
+`T_q = T_k = C`, `H*d` query heads and G KV heads (GQA ratio `h*d`; head `head*d + r` maps to KV
+head `head // h`). Queries `t < l - 1` see no block and get 0. Packed sequences fold each
+sequence on its own (`cu_seqlens` of the fold = cumulative C_n).
+
+Head dims: FlashAttention-2 needs one head dim for q, k and v, a multiple of 8. Zero-padding q
+and k leaves the scores unchanged and zero-padding v adds zero output columns, which are cut off;
+the softmax scale is passed explicitly so padding does not change it.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from nsa_common import NSAConfig, num_cmp_blocks
+from nsa_torch_ref import reference, runtime
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+# ---------------------------------------------------------------------------------------------
+# What is installed
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _flash_attn():
+    """The `flash_attn` package, or None. Optional: never needed to import this project."""
+    try:
+        import flash_attn
+    except Exception:  # ImportError, or a broken CUDA build raising at import
+        return None
+    if not (hasattr(flash_attn, "flash_attn_func")
+            and hasattr(flash_attn, "flash_attn_varlen_func")):
+        return None
+    return flash_attn
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen():
+    """(varlen_attn, its keyword names) from torch, or None when this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def versions() -> dict:
+    """Versions and capabilities of the FA-2 kernels, for the routing summary."""
+    fa = _flash_attn()
+    tv = _torch_varlen()
+    return {
+        "flash_attn": getattr(fa, "__version__", "unknown") if fa is not None else None,
+        "torch_varlen_attn": tv is not None,
+        "torch_varlen_window": tv is not None and "window_size" in tv[1],
+    }
+
+
+def _kernel_ineligible(q: torch.Tensor, head_dim: int) -> Optional[str]:
+    """Why no FlashAttention kernel can take `q` (None when one can)."""
+    if q.device.type != "cuda":
+        return f"tensors on {q.device.type}: FlashAttention-2 needs CUDA"
+    if q.dtype not in FLASH_DTYPES:
+        return f"dtype {q.dtype}: FlashAttention-2 takes float16/bfloat16"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM}"
+    return None
+
+
+def kernel_choice(q: torch.Tensor, head_dim: int) -> tuple[str, str]:
+    """("flash_attn" | "torch" | "reference", reason) for a call with these tensors."""
+    why_not = _kernel_ineligible(q, head_dim)
+    if why_not is not None:
+        return "reference", why_not
+    if _flash_attn() is not None:
+        return "flash_attn", "flash_attn package"
+    return "torch", "torch FlashAttention-2 (varlen_attn / SDPA flash backend)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and layout helpers
+# ---------------------------------------------------------------------------------------------
+def _check_rank4(name: str, tensor) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a [B, T, heads, dim] tensor, got {got}")
+
+
+def _check_gqa(q, k, v, k_name: str, v_name: str) -> None:
+    for name, tensor in (("q", q), (k_name, k), (v_name, v)):
+        _check_rank4(name, tensor)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, {k_name} {k.shape[0]}, "
+                         f"{v_name} {v.shape[0]}")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"{k_name} head dim ({k.shape[3]}) must equal q's ({q.shape[3]})")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must agree "
+                         "on length and heads")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of {k_name} heads "
+                         f"({k.shape[2]})")
+
+
+def _segments(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> list[tuple[int, int]]:
+    """[(start, length)] of the packed sequences (one (0, T) without cu_seqlens)."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        raise ValueError("cu_seqlens must be a 1-D integer [N + 1] tensor")
+    if B != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B = {B}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T ({T}), got {bounds}")
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _pad_dim(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if x.shape[-1] == dim else F.pad(x, (0, dim - x.shape[-1]))
+
+
+def _common_head_dim(d_k: int, d_v: int) -> int:
+    return -(-max(d_k, d_v) // 8) * 8
+
+
+def _cu(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0] + lengths, device=device, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel calls: causal attention (optionally windowed), q/k/v share one padded head dim
+# ---------------------------------------------------------------------------------------------
+def _window_size(window: Optional[int]) -> tuple[int, int]:
+    return (-1, -1) if window is None else (window - 1, 0)
+
+
+def _flash_attn_dense(q, k, v, scale, window):
+    out = _flash_attn().flash_attn_func(q, k, v, softmax_scale=scale, causal=True,
+                                        window_size=_window_size(window))
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _flash_attn_varlen(q, k, v, cu, max_len, scale, window):
+    """q [1, S, Hq, D] packed; cu int32 [N + 1]."""
+    out = _flash_attn().flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, max_len, max_len, softmax_scale=scale, causal=True,
+        window_size=_window_size(window))
+    return (out[0] if isinstance(out, tuple) else out)[None]
+
+
+def _torch_varlen_call(q, k, v, cu, max_len, scale, window):
+    """torch's varlen_attn on packed [1, S, H, D] tensors; None if this torch cannot do it."""
+    found = _torch_varlen()
+    if found is None:
+        return None
+    varlen_attn, params = found
+    kwargs = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (window - 1, 0) if window is not None else (-1, 0)
+    elif window is None and "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None  # a window this torch cannot express
+    if q.shape[2] != k.shape[2]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            reps = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(reps, dim=2), v.repeat_interleave(reps, dim=2)
+    out = varlen_attn(q[0], k[0], v[0], cu, cu, max_len, max_len, **kwargs)
+    return (out[0] if isinstance(out, tuple) else out)[None]
+
+
+def _torch_sdpa_flash(q, k, v, scale):
+    """Dense causal attention through SDPA's flash backend; None if it refuses the call."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    except RuntimeError as error:  # "No available kernel": shape/arch the flash backend rejects
+        runtime.debug_log("fa2", f"SDPA flash backend refused the call: {error}")
+        return None
+    return out.transpose(1, 2)
+
+
+def _attend(kernel: str, q, k, v, segments: list[tuple[int, int]], scale: float,
+            window: Optional[int], variant: str) -> Optional[torch.Tensor]:
+    """Causal (optionally windowed) attention of each segment over itself.
+
+    q [B, S, Hq, D], k, v [B, S, Hk, D]; segments [(start, length)] of dim 1 (B = 1 when there is
+    more than one). variant: "dense" (one dense call per segment), "varlen" (one packed call).
+    Returns [B, S, Hq, D], or None when this kernel cannot take the call.
+    """
+    B = q.shape[0]
+    if variant == "varlen":
+        if B > 1:  # pack the batch rows as sequences of their own
+            lengths = [length for _ in range(B) for _, length in segments]
+            q, k, v = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, v))
+        else:
+            lengths = [length for _, length in segments]
+        lengths_nz = [n for n in lengths if n > 0]  # empty sequences add nothing
+        cu = _cu(lengths_nz, q.device)
+        max_len = max(lengths_nz)
+        if kernel == "flash_attn":
+            out = _flash_attn_varlen(q, k, v, cu, max_len, scale, window)
+        else:
+            out = _torch_varlen_call(q, k, v, cu, max_len, scale, window)
+        return None if out is None else out.reshape(B, -1, *out.shape[2:])
+
+    parts = []
+    for start, length in segments:
+        if length == 0:
+            continue
+        qs, ks, vs = (x[:, start:start + length] for x in (q, k, v))
+        if kernel == "flash_attn":
+            out = _flash_attn_dense(qs, ks, vs, scale, window)
+        elif window is None or window >= length:  # the window covers the segment: causal
+            out = _torch_sdpa_flash(qs, ks, vs, scale)
+        else:  # SDPA has no window: torch's varlen kernel, the batch rows as sequences
+            packed = (x.reshape(1, B * length, *x.shape[2:]) for x in (qs, ks, vs))
+            out = _torch_varlen_call(*packed, _cu([length] * B, q.device), length, scale, window)
+            out = None if out is None else out.reshape(B, length, *out.shape[2:])
+        if out is None:
+            return None
+        parts.append(out)
+    return torch.cat(parts, dim=1)
+
+
+def _variant(n_segments: int, config: runtime.RuntimeConfig) -> str:
+    """dense or varlen: packed input goes varlen unless forced dense; dense input goes dense
+    unless forced varlen."""
+    if config.fa2_force_dense:
+        return "dense"
+    if config.fa2_force_varlen:
+        return "varlen"
+    return "varlen" if n_segments > 1 else "dense"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding window
+# ---------------------------------------------------------------------------------------------
+def _window_reference(q, k, v, window, scale, segments):
+    parts = [reference.sliding_window_attention(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n],
+                                                window, scale)
+             for s, n in segments if n > 0]
+    return torch.cat(parts, dim=1) if parts else q.new_zeros(*q.shape[:3], v.shape[3])
+
+
+def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                                 scale: Optional[float] = None, *,
+                                 cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sliding-window attention (query t sees keys max(0, t - w + 1) .. t) on FA-2 kernels.
+
+    q: [B, T, H, d_k]; k: [B, T, G, d_k]; v: [B, T, G, d_v]; cu_seqlens: optional int [N + 1]
+    (B = 1) packing sequences, each attending only within itself. Returns [B, T, H, d_v] in q's
+    dtype. Falls back to the reference where no kernel applies (module docstring).
+    """
+    _check_gqa(q, k, v, "k", "v")
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k length ({k.shape[1]}) must equal q length ({q.shape[1]})")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window ({window!r}) must be a positive int")
+    B, T, H, d_k = q.shape
+    d_v = v.shape[3]
+    scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    segments = _segments(cu_seqlens, B, T)
+    config = runtime.load(q.device)
+    head_dim = _common_head_dim(d_k, d_v)
+    kernel, reason = kernel_choice(q, head_dim)
+    out = None
+    if kernel != "reference" and T > 0:
+        qp, kp, vp = (_pad_dim(x, head_dim) for x in (q, k, v))
+        out = _attend(kernel, qp, kp, vp, segments, scale, window, _variant(len(segments), config))
+        if out is None:
+            reason = f"{kernel} kernel cannot take this call (window {window})"
+    if out is None:
+        runtime.debug_log("fa2", f"sliding window -> reference: {reason}", config)
+        return _window_reference(q, k, v, window, scale, segments)
+    return out[..., :d_v].to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compressed branch
+# ---------------------------------------------------------------------------------------------
+def fold_index(cfg: NSAConfig, segments: list[tuple[int, int]], device):
+    """Token index of every folded query row, the rows' validity, and the C_n per segment.
+
+    Row `(c, r)` of segment n (c < C_n, r < d) is token `start_n + l - 1 + c*d + r`; it is
+    valid when that token exists. Returns (index int64 [sum(C_n) * d], valid bool [same],
+    [C_n]).
+    """
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    counts = [num_cmp_blocks(cfg, length) for _, length in segments]
+    index, valid = [], []
+    for (start, length), count in zip(segments, counts):
+        local = l - 1 + torch.arange(count * d, device=device)
+        index.append(start + local)
+        valid.append(local < length)
+    if not index:
+        empty = torch.zeros(0, device=device, dtype=torch.int64)
+        return empty, empty.bool(), counts
+    return torch.cat(index), torch.cat(valid), counts
+
+
+def _compressed_reference(q, k_cmp, v_cmp, cfg, scale, segments, counts):
+    parts, offset = [], 0
+    for (start, length), count in zip(segments, counts):
+        if length == 0:
+            continue
+        parts.append(reference.compressed_attention(
+            q[:, start:start + length], k_cmp[:, offset:offset + count],
+            v_cmp[:, offset:offset + count], cfg, scale=scale))
+        offset += count
+    return torch.cat(parts, dim=1) if parts else q.new_zeros(*q.shape[:3], v_cmp.shape[3])
+
+
+def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                             cfg: NSAConfig, *, scale: Optional[float] = None,
+                             return_lse: bool = False,
+                             cu_seqlens: Optional[torch.Tensor] = None):
+    """Compressed attention (query t sees block i iff i*d + l - 1 <= t) on FA-2 kernels through
+    the fold of the module docstring.
+
+    q: [B, T, H, d_k]; k_cmp: [B, C, G, d_k]; v_cmp: [B, C, G, d_v] with C =
+    num_cmp_blocks(cfg, T). With cu_seqlens (int [N + 1], B = 1) k_cmp holds the blocks of each
+    sequence one after the other: [1, sum_n num_cmp_blocks(cfg, T_n), G, d]. Returns
+    o_cmp [B, T, H, d_v] in q's dtype, 0 on rows with no admissible block. `return_lse=True`
+    runs the reference (the kernels' lse layouts differ across flash_attn and torch versions;
+    the layer does not ask for it).
+    """
+    if not isinstance(cfg, NSAConfig):
+        raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
+    _check_gqa(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
+    B, T, H, d_k = q.shape
+    G, d_v = k_cmp.shape[2], v_cmp.shape[3]
+    scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    segments = _segments(cu_seqlens, B, T)
+    index, valid, counts = fold_index(cfg, segments, q.device)
+    if k_cmp.shape[1] != sum(counts):
+        raise ValueError(f"k_cmp holds {k_cmp.shape[1]} blocks, expected {sum(counts)} "
+                         f"(num_cmp_blocks per sequence {counts})")
+    if return_lse:
+        if cu_seqlens is not None:
+            raise ValueError("return_lse is only supported without cu_seqlens")
+        return reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
+
+    config = runtime.load(q.device)
+    head_dim = _common_head_dim(d_k, d_v)
+    kernel, reason = kernel_choice(q, head_dim)
+    if sum(counts) == 0:
+        kernel, reason = "reference", "no compressed block yet (every row is 0)"
+    out = None
+    if kernel != "reference":
+        d = cfg.cmp_stride
+        n_rows = sum(counts)
+        # [B, sumC*d, H, dk] -> [B, sumC, H*d, dk]: head*d + r is the folded head.
+        q_fold = q[:, index.clamp(max=T - 1)].reshape(B, n_rows, d, H, d_k)
+        q_fold = q_fold.permute(0, 1, 3, 2, 4).reshape(B, n_rows, H * d, d_k)
+        qp, kp, vp = (_pad_dim(x, head_dim) for x in (q_fold, k_cmp, v_cmp))
+        fold_segments, offset = [], 0
+        for count in counts:
+            fold_segments.append((offset, count))
+            offset += count
+        o_fold = _attend(kernel, qp, kp, vp, fold_segments, scale, None,
+                         _variant(len(segments), config))
+        if o_fold is None:
+            reason = f"{kernel} kernel cannot take this call"
+        else:
+            o_rows = o_fold[..., :d_v].reshape(B, n_rows, H, d, d_v).permute(0, 1, 3, 2, 4)
+            o_rows = o_rows.reshape(B, n_rows * d, H, d_v)[:, valid]
+            out = q.new_zeros(B, T, H, d_v).index_copy(1, index[valid], o_rows.to(q.dtype))
+    if out is None:
+        runtime.debug_log("fa2", f"compressed -> reference: {reason}", config)
+        return _compressed_reference(q, k_cmp, v_cmp, cfg, scale, segments, counts)
+    return out
+
+
+# The functions `dispatch` registers, by branch (backend name "fa2").
+BACKENDS: dict[str, Callable] = {
+    "compressed_attention": compressed_attention_fa2,
+    "sliding_window_attention": sliding_window_attention_fa2,
+}

@@ -1,0 +1,204 @@
+"""`NSAAttention`: the NSA layer (shared/NSA_SPEC.md, "The layer") as a thin `nn.Module`.
+
+The work is done by functions on a parameter tree (`params["wk"]["cmp"]`, the same nesting as
+the JAX pytree): `project`, `compress_branch_kv`, `combine` and `nsa_forward`. The module holds
+the parameters, validates its inputs, loops over packed sequences and picks the branch kernels
+through `dispatch`. `decode.py` reuses `project`, `compress_branch_kv` and `combine`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from nsa_common import NSAConfig
+from nsa_torch_ref import dispatch
+from nsa_torch_ref.reference import apply_rope, compress_kv, select_blocks
+
+KV_BRANCHES = ("cmp", "sel", "win")
+AUX_KEYS = ("o_cmp", "o_sel", "o_win", "gates", "block_idx")
+
+Params = Mapping[str, Any]  # {"wq": T, "wk": {"cmp": T, ...}, "cmp_k": {"pos": T, ...}, ...}
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional core
+# ---------------------------------------------------------------------------------------------
+def project(params: Params, x: torch.Tensor, cfg: NSAConfig, positions: torch.Tensor):
+    """Projections and RoPE (spec steps 1-3).
+
+    x: [B, T, d_model]; positions: [T] (RoPE angles). Returns q [B, T, H, d_k] and dicts
+    k {branch: [B, T, G, d_k]}, v {branch: [B, T, G, d_v]} over the branches cmp, sel, win
+    (the same tensors for all three when cfg.shared_kv).
+    """
+    B, T, _ = x.shape
+    H, G = cfg.n_heads, cfg.n_kv_heads
+    q = (x @ params["wq"]).reshape(B, T, H, cfg.d_k)
+    sources = {c: "shared" if cfg.shared_kv else c for c in KV_BRANCHES}
+    k_src = {s: (x @ params["wk"][s]).reshape(B, T, G, cfg.d_k) for s in set(sources.values())}
+    v_src = {s: (x @ params["wv"][s]).reshape(B, T, G, cfg.d_v) for s in set(sources.values())}
+    if cfg.rope_theta is not None:
+        q = apply_rope(q, positions, cfg.rope_theta)
+        k_src = {s: apply_rope(k, positions, cfg.rope_theta) for s, k in k_src.items()}
+    k = {c: k_src[sources[c]] for c in KV_BRANCHES}
+    v = {c: v_src[sources[c]] for c in KV_BRANCHES}
+    return q, k, v
+
+
+def compress_branch_kv(params: Params, k: torch.Tensor, v: torch.Tensor, cfg: NSAConfig):
+    """Compressed keys/values of the cmp branch (spec step 4): [B, T, G, d] -> [B, C, G, d]."""
+    mlp = cfg.compress == "mlp"
+    return (compress_kv(k, params["cmp_k"] if mlp else None, cfg),
+            compress_kv(v, params["cmp_v"] if mlp else None, cfg))
+
+
+def combine(params: Params, x: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor,
+            o_win: torch.Tensor, cfg: NSAConfig):
+    """Gates and output projection (spec steps 9-10).
+
+    x: [B, T, d_model]; o_*: [B, T, H, d_v]. Returns y [B, T, d_model] and gates [B, T, H, 3]
+    (cmp, sel, win). The `c:c+1` slices broadcast the same way for T = 1 (decode).
+    """
+    B, T, _ = x.shape
+    gates = torch.sigmoid(x @ params["wg"] + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+    o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
+    return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ params["wo"], gates
+
+
+def nsa_forward(params: Params, x: torch.Tensor, cfg: NSAConfig,
+                kernels: Optional[Mapping[str, Callable]] = None):
+    """One (unpacked) NSA problem: x [B, T, d_model] at positions 0..T-1.
+
+    kernels: {branch: function} as from `dispatch.resolve_all` (default: all "sdpa").
+    Returns (y [B, T, d_model], aux, kv): aux holds o_cmp / o_sel / o_win [B, T, H, d_v],
+    gates [B, T, H, 3] and block_idx int32 [B, T, G, n_sel]; kv holds what a decode cache needs
+    (k, v dicts per branch [B, T, G, d] and k_cmp, v_cmp [B, C, G, d]).
+    """
+    kernels = kernels if kernels is not None else dispatch.resolve_all()
+    positions = torch.arange(x.shape[1], device=x.device)
+    q, k, v = project(params, x, cfg, positions)
+    k_cmp, v_cmp = compress_branch_kv(params, k["cmp"], v["cmp"], cfg)
+    o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
+    block_idx = select_blocks(q, k_cmp, cfg)
+    o_sel = kernels["selected_attention"](q, k["sel"], v["sel"], block_idx, cfg.sel_block)
+    o_win = kernels["sliding_window_attention"](q, k["win"], v["win"], cfg.window)
+    y, gates = combine(params, x, o_cmp, o_sel, o_win, cfg)
+    aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
+    kv = dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp)
+    return y, aux, kv
+
+
+# ---------------------------------------------------------------------------------------------
+# Module
+# ---------------------------------------------------------------------------------------------
+def _normal(shape, std: float, **factory) -> nn.Parameter:
+    return nn.Parameter(torch.randn(*shape, **factory) * std)
+
+
+def _compressor(cfg: NSAConfig, dim: int, **factory) -> nn.ParameterDict:
+    """The per-KV-head MLP phi of spec step 4 for head dim `dim`."""
+    G, l = cfg.n_kv_heads, cfg.cmp_block
+    return nn.ParameterDict({
+        "pos": _normal((G, l, dim), 0.02, **factory),
+        "w1": _normal((G, l * dim, dim), 1 / math.sqrt(l * dim), **factory),
+        "b1": nn.Parameter(torch.zeros(G, dim, **factory)),
+        "w2": _normal((G, dim, dim), 1 / math.sqrt(dim), **factory),
+        "b2": nn.Parameter(torch.zeros(G, dim, **factory)),
+    })
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention layer.
+
+    Parameters (docs/DESIGN.md; matrices are `[in, out]`): `wq [d_model, H*d_k]`,
+    `wk.{cmp,sel,win}` `[d_model, G*d_k]` (`wk.shared` with shared_kv), `wv.*` `[d_model, G*d_v]`,
+    `cmp_k.{pos,w1,b1,w2,b2}` / `cmp_v.*` (compress="mlp" only), `wg [d_model, H*3]`, `bg [H*3]`,
+    `wo [H*d_v, d_model]`.
+
+    backends: {branch: backend name} for the branches of `dispatch.BRANCHES`; default "sdpa".
+    """
+
+    def __init__(self, cfg: NSAConfig, backends: Optional[Mapping[str, str]] = None, *,
+                 device=None, dtype=None):
+        super().__init__()
+        if not isinstance(cfg, NSAConfig):
+            raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.backends = {b: dict(backends or {}).get(b, dispatch.DEFAULT_BACKEND)
+                         for b in dispatch.BRANCHES}
+        dispatch.resolve_all(backends)  # unknown branch or backend fails here, not mid-forward
+        factory = dict(device=device, dtype=dtype)
+        D, H, G = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
+        kv_names = ("shared",) if cfg.shared_kv else KV_BRANCHES
+        self.wq = _normal((D, H * cfg.d_k), 1 / math.sqrt(D), **factory)
+        self.wk = nn.ParameterDict({n: _normal((D, G * cfg.d_k), 1 / math.sqrt(D), **factory)
+                                    for n in kv_names})
+        self.wv = nn.ParameterDict({n: _normal((D, G * cfg.d_v), 1 / math.sqrt(D), **factory)
+                                    for n in kv_names})
+        if cfg.compress == "mlp":
+            self.cmp_k = _compressor(cfg, cfg.d_k, **factory)
+            self.cmp_v = _compressor(cfg, cfg.d_v, **factory)
+        self.wg = _normal((D, H * 3), 1 / math.sqrt(D), **factory)
+        self.bg = nn.Parameter(torch.zeros(H * 3, **factory))
+        self.wo = _normal((H * cfg.d_v, D), 1 / math.sqrt(H * cfg.d_v), **factory)
+
+    def param_tree(self) -> dict:
+        """The parameters nested as the JAX pytree: {"wq": T, "wk": {"cmp": T, ...}, ...}."""
+        tree: dict = {}
+        for name, param in self.named_parameters():
+            outer, _, inner = name.partition(".")
+            if inner:
+                tree.setdefault(outer, {})[inner] = param
+            else:
+                tree[outer] = param
+        return tree
+
+    def _check_inputs(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> None:
+        cfg = self.cfg
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != cfg.d_model:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be a [B, T, d_model={cfg.d_model}] tensor, got {shape}")
+        if x.shape[1] == 0:
+            raise ValueError("x must hold at least one token (T >= 1)")
+        if cu_seqlens is None:
+            return
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
+            got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens)
+            raise ValueError(f"cu_seqlens must be an int32 tensor, got {got}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        if x.shape[0] != 1:
+            raise ValueError(f"x must have batch size 1 with cu_seqlens, got B = {x.shape[0]}")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != x.shape[1]:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T = {x.shape[1]}, got "
+                             f"{bounds[0]} .. {bounds[-1]}")
+        if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                return_aux: bool = False):
+        """x: [B, T, d_model] -> y [B, T, d_model] (and aux with return_aux).
+
+        cu_seqlens: int32 [N + 1] with B = 1 packs N independent sequences (positions, blocks
+        and windows restart at each start). aux: o_cmp, o_sel, o_win [B, T, H, d_v],
+        gates [B, T, H, 3], block_idx int32 [B, T, G, n_sel].
+        """
+        self._check_inputs(x, cu_seqlens)
+        params = self.param_tree()
+        kernels = dispatch.resolve_all(self.backends)
+        if cu_seqlens is None:
+            y, aux, _ = nsa_forward(params, x, self.cfg, kernels)
+        else:
+            bounds = cu_seqlens.tolist()
+            parts = [nsa_forward(params, x[:, start:stop], self.cfg, kernels)[:2]
+                     for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
+            y = torch.cat([part[0] for part in parts], dim=1)
+            aux = {key: torch.cat([part[1][key] for part in parts], dim=1) for key in AUX_KEYS}
+        return (y, aux) if return_aux else y
+
+    def extra_repr(self) -> str:
+        return f"cfg={self.cfg}, backends={self.backends}"

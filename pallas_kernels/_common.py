@@ -1,0 +1,74 @@
+"""Conventions shared by the Pallas GPU kernels of this package.
+
+Kept small on purpose: the Triton-lowering constraints every kernel here pads to, the one
+version-tolerant way to build Triton compiler parameters, and the one filter for jax 0.11's
+deprecation warning of the Triton lowering.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+# Triton's `tl.dot` needs every matrix dimension >= 16, and every tensor dimension a power of 2.
+MATMUL_MIN = 16
+
+# The exact text jax 0.11 warns with (a DeprecationWarning) when it lowers a Triton pallas_call.
+TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
+                      r" a future JAX version\.")
+
+# Values of `implementation=` a kernel wrapper accepts. "xla" is the plain-JAX reference, so a
+# dispatch point can fall through to it; a Mosaic GPU variant would add "mosaic_gpu" here.
+IMPLEMENTATIONS = ("triton", "xla")
+
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def matmul_dim(n: int) -> int:
+    """A tensor dimension that may enter `tl.dot`: a power of two, at least `MATMUL_MIN`."""
+    return max(MATMUL_MIN, next_pow2(n))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """`x` padded at the end of `axis` up to `size` (no copy when it already has that size)."""
+    extra = size - x.shape[axis]
+    if extra < 0:
+        raise ValueError(f"cannot pad axis {axis} of size {x.shape[axis]} down to {size}")
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def triton_compiler_params(num_warps: int, num_stages: int):
+    """`CompilerParams` of the Pallas Triton lowering under its current name (jax >= 0.7), or
+    its older name `TritonCompilerParams`."""
+    from jax.experimental.pallas import triton as pltriton
+    params = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
+    return params(num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.cache
+def silence_triton_deprecation() -> None:
+    """Ignore jax 0.11's warning that the Pallas Triton lowering is deprecated: that message only,
+    as a DeprecationWarning only, installed once when a kernel is first built for the GPU.
+
+    The warning fires when a pallas_call is lowered, which under an outer `jax.jit` happens when
+    that jit compiles, after the kernel wrapper has returned. A `catch_warnings` block around the
+    wrapper cannot see it, so the filter lasts for the process; a process that never builds a
+    Triton kernel never installs it."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+def check_implementation(implementation: str) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")

@@ -1,0 +1,541 @@
+"""Compressed attention (NSA branch `cmp`, spec step 5) as Pallas Triton kernels.
+
+Query `t` attends compressed block `i` iff `i*d + l - 1 <= t` (the block's last token exists).
+Flash-attention style: a program holds a tile of queries and loops over tiles of compressed keys
+with an online softmax in float32, so no `[T, T/d]` array is ever written to HBM. The forward also
+returns the per-head log-sum-exp, which `select_blocks` uses to recompute the probabilities.
+
+GQA layout: one program per (batch, query tile, KV group) holds the `h` query heads of that group
+for `q_tile` consecutive queries, i.e. `q_tile * h` rows that all share one K/V stream. Compressed
+keys are few (`T/d`) and each is read by every query after it, so sharing each K/V tile among the
+`h` heads cuts K/V traffic by `h` (16 with the paper's H 64 / G 4) against a program per head, and
+it makes the rows of a `tl.dot` at least 16 even when `h * q_tile` queries are few. `h` is padded to
+a power of two in registers only (masked loads), never in HBM.
+
+Rows with no admissible block (`t < l - 1`) give `o = 0`, `lse = -inf` and zero gradients.
+
+Layout: BTHD. `q [B, T, H, d_k]`, `k_cmp [B, C, G, d_k]`, `v_cmp [B, C, G, d_v]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import (
+    LN_2,
+    LOG2_E,
+    MATMUL_MIN,
+    matmul_dim,
+    next_pow2,
+    pad_axis,
+    silence_triton_deprecation,
+    triton_compiler_params,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two, >= 16).
+
+    `block_q*` count the rows of a query tile: queries times the `h` heads of one KV group (`h`
+    padded to a power of two), so a tile holds `max(1, block_q // h_pad)` queries. `block_kv*`
+    count compressed keys. `_dq` / `_dkv` are the two backward kernels.
+    """
+
+    block_q: int = 64
+    block_kv: int = 64
+    block_q_dq: int = 64
+    block_kv_dq: int = 32
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
+            if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
+                raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
+                                 f"{MATMUL_MIN}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    """Static shape facts of one call, shared by the kernels."""
+
+    seq_len: int   # T
+    n_cmp: int     # C
+    heads: int     # h, query heads per KV group
+    h_pad: int     # h as a power of two
+    d_k: int
+    d_v: int
+    dk_pad: int
+    dv_pad: int
+
+    def q_tile(self, block_rows: int) -> int:
+        """Queries per tile for a tile of `block_rows` rows (at least one query)."""
+        return max(1, block_rows // self.h_pad)
+
+
+def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """`a @ b` (operands optionally transposed) accumulated in float32. HIGHEST makes float32
+    operands multiply in IEEE float32 on Triton (its default would be TF32); for 16-bit operands it
+    changes nothing."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def load_rows(ref, first_query, tiling: _Tiling, dim: int):
+    """Load a `[q_tile, h_pad, dim_pad]` tile of queries x heads and flatten it to rows
+    `[q_tile * h_pad, dim_pad]` (row r: query `first_query + r // h_pad`, head `r % h_pad`).
+    Padded heads and padded features read as 0. The caller pads T to a whole number of tiles."""
+    q_tile, h_pad, dim_pad = ref.shape
+    mask = None
+    if h_pad != tiling.heads:
+        mask = (jnp.arange(h_pad) < tiling.heads)[None, :, None]
+    if dim_pad != dim:
+        dim_mask = (jnp.arange(dim_pad) < dim)[None, None, :]
+        mask = dim_mask if mask is None else mask & dim_mask
+    if mask is None:
+        tile = ref[...]
+    else:
+        tile = pltriton.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+    return tile.reshape(q_tile * h_pad, dim_pad)
+
+
+def store_rows(ref, rows, tiling: _Tiling, dim: Optional[int]):
+    """Inverse of `load_rows`: write rows `[q_tile * h_pad, (dim_pad)]` into a
+    `[q_tile, h_pad(, dim_pad)]` block, skipping padded heads and features."""
+    tile = rows.reshape(ref.shape).astype(ref.dtype)
+    mask = None
+    if ref.shape[1] != tiling.heads:
+        mask = (jnp.arange(ref.shape[1]) < tiling.heads)[None, :]
+        if dim is not None:
+            mask = mask[:, :, None]
+    if dim is not None and ref.shape[2] != dim:
+        dim_mask = (jnp.arange(ref.shape[2]) < dim)[None, None, :]
+        mask = dim_mask if mask is None else mask & dim_mask
+    if mask is None:
+        ref[...] = tile
+    else:
+        pltriton.store(ref, tile, mask=jnp.broadcast_to(mask, ref.shape))
+
+
+def load_row_stats(ref, tiling: _Tiling):
+    """Load a `[q_tile, h_pad]` block of per-(query, head) float32 statistics as rows."""
+    q_tile, h_pad = ref.shape
+    if h_pad == tiling.heads:
+        tile = ref[...]
+    else:
+        mask = jnp.broadcast_to((jnp.arange(h_pad) < tiling.heads)[None, :], ref.shape)
+        tile = pltriton.load(ref, mask=mask, other=0.0)
+    return tile.reshape(q_tile * h_pad)
+
+
+def row_positions(first_query, q_tile: int, tiling: _Tiling):
+    """Query position `[rows]` of each row, and whether the row is a real (query, head)."""
+    rows = jnp.arange(q_tile * tiling.h_pad, dtype=jnp.int32)
+    position = first_query + lax.div(rows, tiling.h_pad)
+    real = (position < tiling.seq_len) & (lax.rem(rows, tiling.h_pad) < tiling.heads)
+    return position, real
+
+
+def admissible(position, real, first_block, n_blocks: int, *, tiling: _Tiling, cmp_block: int,
+               cmp_stride: int):
+    """`[rows, n_blocks]` mask of the spec: row's query `t` sees block `i` iff
+    `i*d + l - 1 <= t` (and `i` exists)."""
+    block = first_block + jnp.arange(n_blocks, dtype=jnp.int32)
+    visible = block[None, :] * cmp_stride + (cmp_block - 1) <= position[:, None]
+    return visible & (block[None, :] < tiling.n_cmp) & real[:, None]
+
+
+def blocks_visible_to(last_query, *, tiling: _Tiling, cmp_block: int, cmp_stride: int):
+    """Number of compressed blocks query `last_query` may attend: `i*d + l - 1 <= t`."""
+    last_query = jnp.minimum(last_query, tiling.seq_len - 1)
+    # (t - l + 1) // d + 1, written with a non-negative numerator so that integer division
+    # truncation (all Triton has) equals floor division.
+    count = lax.div(jnp.maximum(last_query - cmp_block + 1 + cmp_stride, 0), cmp_stride)
+    return jnp.minimum(count, tiling.n_cmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward kernel
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: _Tiling, cmp_block: int,
+                cmp_stride: int, scale: float, block_kv: int):
+    q_tile = q_ref.shape[0]
+    first_query = pl.program_id(1) * q_tile
+    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    position, real = row_positions(first_query, q_tile, tiling)
+    n_rows = q.shape[0]
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+
+    def body(tile, carry):
+        acc, row_max, row_sum = carry
+        first_block = tile * block_kv
+        k = k_ref[pl.ds(first_block, block_kv), :]
+        v = v_ref[pl.ds(first_block, block_kv), :]
+        # Scores in base 2 (exp2 is the cheap exponential on the GPU).
+        s = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s, -jnp.inf)
+        new_max = jnp.maximum(row_max, s.max(axis=1))
+        # A row that has seen no admissible block yet keeps max -inf; shift it by 0 instead so
+        # that exp2 gives 0, not NaN.
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        rescale = jnp.exp2(row_max - shift)
+        p = jnp.exp2(s - shift[:, None])
+        row_sum = row_sum * rescale + p.sum(axis=1)
+        acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, new_max, row_sum
+
+    n_tiles = lax.div(blocks_visible_to(first_query + q_tile - 1, **geometry) + block_kv - 1,
+                      block_kv)
+    init = (jnp.zeros((n_rows, v_ref.shape[1]), jnp.float32),
+            jnp.full((n_rows,), -jnp.inf, jnp.float32), jnp.zeros((n_rows,), jnp.float32))
+    acc, row_max, row_sum = lax.fori_loop(0, n_tiles, body, init)
+
+    empty = row_sum == 0.0
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    store_rows(o_ref, acc / safe_sum[:, None], tiling, tiling.d_v)
+    lse = jnp.where(empty, -jnp.inf, row_max * LN_2 + jnp.log(safe_sum))
+    store_rows(lse_ref, lse, tiling, None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward kernels
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tiling: _Tiling,
+               cmp_block: int, cmp_stride: int, scale: float, block_kv: int):
+    q_tile = q_ref.shape[0]
+    first_query = pl.program_id(1) * q_tile
+    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    do = load_rows(do_ref, first_query, tiling, tiling.d_v)
+    lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
+    delta = load_row_stats(delta_ref, tiling)
+    position, real = row_positions(first_query, q_tile, tiling)
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+
+    def body(tile, dq):
+        first_block = tile * block_kv
+        k = k_ref[pl.ds(first_block, block_kv), :]
+        v = v_ref[pl.ds(first_block, block_kv), :]
+        s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
+        mask = admissible(position, real, first_block, block_kv, **geometry)
+        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    n_tiles = lax.div(blocks_visible_to(first_query + q_tile - 1, **geometry) + block_kv - 1,
+                      block_kv)
+    dq = lax.fori_loop(0, n_tiles, body, jnp.zeros((q.shape[0], k_ref.shape[1]), jnp.float32))
+    store_rows(dq_ref, dq * scale, tiling, tiling.d_k)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                tiling: _Tiling, cmp_block: int, cmp_stride: int, scale: float, q_tile: int,
+                n_q_tiles: int):
+    # Each program owns one tile of compressed keys and loops over the query tiles that can see
+    # it, so dK and dV are written once, without atomics: deterministic.
+    block_kv = k_ref.shape[0]
+    first_block = pl.program_id(1) * block_kv
+    k = k_ref[...]
+    v = v_ref[...]
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+
+    def body(q_index, carry):
+        dk, dv = carry
+        first_query = q_index * q_tile
+        rows = pl.ds(first_query, q_tile)
+        q = load_rows(q_ref.at[rows], first_query, tiling, tiling.d_k)
+        do = load_rows(do_ref.at[rows], first_query, tiling, tiling.d_v)
+        lse2 = load_row_stats(lse_ref.at[rows], tiling) * LOG2_E
+        delta = load_row_stats(delta_ref.at[rows], tiling)
+        position, real = row_positions(first_query, q_tile, tiling)
+        s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        mask = admissible(position, real, first_block, block_kv, **geometry)
+        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        return dk, dv
+
+    # The first query that sees block `first_block` is t = first_block*d + l - 1.
+    first_q_tile = lax.div(first_block * cmp_stride + cmp_block - 1, q_tile)
+    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = lax.fori_loop(jnp.minimum(first_q_tile, n_q_tiles), n_q_tiles, body, init)
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _group_view(x, n_groups: int):
+    """[B, T, H, D] -> [B, T, G, h, D] (free: a reshape)."""
+    B, T, H = x.shape[:3]
+    return x.reshape(B, T, n_groups, H // n_groups, *x.shape[3:])
+
+
+def _tiling(q, k_cmp, v_cmp) -> _Tiling:
+    heads = q.shape[2] // k_cmp.shape[2]
+    return _Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
+                   d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=matmul_dim(q.shape[3]),
+                   dv_pad=matmul_dim(v_cmp.shape[3]))
+
+
+def _pad_kv(x, n_blocks: int, dim_pad: int):
+    """[B, C, G, D] -> [B, n_blocks, G, dim_pad], zero padded (compressed keys are few: cheap)."""
+    return pad_axis(pad_axis(x, 1, n_blocks), 3, dim_pad)
+
+
+def _row_spec(q_tile: int, tiling: _Tiling, dim_pad: Optional[int]):
+    """BlockSpec of a `[q_tile, h_pad(, dim_pad)]` tile of a `[B, T, G, h(, D)]` array."""
+    if dim_pad is None:
+        return pl.BlockSpec((None, q_tile, None, tiling.h_pad), lambda b, i, g: (b, i, g, 0))
+    return pl.BlockSpec((None, q_tile, None, tiling.h_pad, dim_pad),
+                        lambda b, i, g: (b, i, g, 0, 0))
+
+
+def _whole_seq_spec(length: int, tiling: _Tiling, dim_pad: Optional[int]):
+    """BlockSpec of the whole sequence of one (batch, group) of a `[B, T, G, h(, D)]` array."""
+    if dim_pad is None:
+        return pl.BlockSpec((None, length, None, tiling.h_pad), lambda b, j, g: (b, 0, g, 0))
+    return pl.BlockSpec((None, length, None, tiling.h_pad, dim_pad),
+                        lambda b, j, g: (b, 0, g, 0, 0))
+
+
+def _kv_spec(n_blocks: int, dim_pad: int):
+    """BlockSpec of all compressed keys of one (batch, group): `[n_blocks, dim_pad]`."""
+    return pl.BlockSpec((None, n_blocks, None, dim_pad), lambda b, i, g: (b, 0, g, 0))
+
+
+def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret):
+    B, T, H, _ = q.shape
+    G = k_cmp.shape[2]
+    tiling = _tiling(q, k_cmp, v_cmp)
+    q_tile = tiling.q_tile(block_sizes.block_q)
+    block_kv = block_sizes.block_kv
+    n_q_tiles = pl.cdiv(T, q_tile)
+    T_pad = n_q_tiles * q_tile
+    n_kv = pl.cdiv(tiling.n_cmp, block_kv) * block_kv
+    q5 = pad_axis(_group_view(q, G), 1, T_pad)
+    kernel = functools.partial(_fwd_kernel, tiling=tiling, cmp_block=cmp_block,
+                               cmp_stride=cmp_stride, scale=scale, block_kv=block_kv)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(B, n_q_tiles, G),
+        in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
+                  _kv_spec(n_kv, tiling.dv_pad)],
+        out_specs=[_row_spec(q_tile, tiling, tiling.dv_pad), _row_spec(q_tile, tiling, None)],
+        out_shape=[jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads, tiling.d_v), q.dtype),
+                   jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads), jnp.float32)],
+        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+        interpret=interpret,
+        name="nsa_compressed_attention_fwd",
+    )(q5, _pad_kv(k_cmp, n_kv, tiling.dk_pad), _pad_kv(v_cmp, n_kv, tiling.dv_pad))
+    return o[:, :T].reshape(B, T, H, tiling.d_v), lse[:, :T].reshape(B, T, H)
+
+
+def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, block_sizes,
+              interpret):
+    B, T, H, _ = q.shape
+    G = k_cmp.shape[2]
+    tiling = _tiling(q, k_cmp, v_cmp)
+    # d lse / d s = p, so an lse cotangent enters exactly like -delta.
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = delta - dlse.astype(jnp.float32)
+
+    q_tile_dq = tiling.q_tile(block_sizes.block_q_dq)
+    q_tile_dkv = tiling.q_tile(block_sizes.block_q_dkv)
+    T_pad = pl.cdiv(T, max(q_tile_dq, q_tile_dkv)) * max(q_tile_dq, q_tile_dkv)
+    block_kv_dq, block_kv_dkv = block_sizes.block_kv_dq, block_sizes.block_kv_dkv
+    n_kv = pl.cdiv(tiling.n_cmp, max(block_kv_dq, block_kv_dkv)) * max(block_kv_dq, block_kv_dkv)
+
+    q5 = pad_axis(_group_view(q, G), 1, T_pad)
+    do5 = pad_axis(_group_view(do, G), 1, T_pad)
+    lse4 = pad_axis(_group_view(lse, G), 1, T_pad, value=-jnp.inf)
+    delta4 = pad_axis(_group_view(delta, G), 1, T_pad)
+    k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
+    v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    params = triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages)
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, block_kv=block_kv_dq, **geometry),
+        grid=(B, T_pad // q_tile_dq, G),
+        in_specs=[_row_spec(q_tile_dq, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
+                  _kv_spec(n_kv, tiling.dv_pad), _row_spec(q_tile_dq, tiling, tiling.dv_pad),
+                  _row_spec(q_tile_dq, tiling, None), _row_spec(q_tile_dq, tiling, None)],
+        out_specs=_row_spec(q_tile_dq, tiling, tiling.dk_pad),
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads, tiling.d_k), q.dtype),
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_compressed_attention_dq",
+    )(q5, k_pad, v_pad, do5, lse4, delta4)
+
+    n_kv_tiles = pl.cdiv(tiling.n_cmp, block_kv_dkv)
+    kv_tile_spec = lambda dim_pad: pl.BlockSpec((None, block_kv_dkv, None, dim_pad),
+                                                lambda b, j, g: (b, j, g, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=T_pad // q_tile_dkv,
+                          **geometry),
+        grid=(B, n_kv_tiles, G),
+        in_specs=[_whole_seq_spec(T_pad, tiling, tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
+                  kv_tile_spec(tiling.dv_pad), _whole_seq_spec(T_pad, tiling, tiling.dv_pad),
+                  _whole_seq_spec(T_pad, tiling, None), _whole_seq_spec(T_pad, tiling, None)],
+        out_specs=[kv_tile_spec(tiling.dk_pad), kv_tile_spec(tiling.dv_pad)],
+        out_shape=[jax.ShapeDtypeStruct((B, n_kv, G, tiling.dk_pad), k_cmp.dtype),
+                   jax.ShapeDtypeStruct((B, n_kv, G, tiling.dv_pad), v_cmp.dtype)],
+        compiler_params=params,
+        interpret=interpret,
+        name="nsa_compressed_attention_dkv",
+    )(q5, k_pad, v_pad, do5, lse4, delta4)
+
+    C = tiling.n_cmp
+    return (dq[:, :T].reshape(q.shape), dk[:, :C, :, :tiling.d_k],
+            dv[:, :C, :, :tiling.d_v])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _compressed_attention(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret):
+    return _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
+
+
+def _compressed_attention_fwd(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
+                              interpret):
+    o, lse = _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
+    return (o, lse), (q, k_cmp, v_cmp, o, lse)
+
+
+def _compressed_attention_bwd(cmp_block, cmp_stride, scale, block_sizes, interpret, residuals,
+                              cotangents):
+    q, k_cmp, v_cmp, o, lse = residuals
+    do, dlse = cotangents
+    return _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale,
+                     block_sizes, interpret)
+
+
+_compressed_attention.defvjp(_compressed_attention_fwd, _compressed_attention_bwd)
+# Jitted so that eager callers compile each shape once (the padding and reshapes around the
+# kernels fuse into the same executable).
+_compressed_attention_jit = jax.jit(_compressed_attention, static_argnums=(3, 4, 5, 6, 7))
+
+
+def check_inputs(q, k_cmp, v_cmp=None, *, cmp_block, cmp_stride, scale=None) -> float:
+    """Validate BTHD shapes and the compression geometry; return the softmax scale."""
+    for name, value in (("cmp_block", cmp_block), ("cmp_stride", cmp_stride)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} ({value!r}) must be a positive int")
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, d_k], got shape {q.shape}")
+    if k_cmp.ndim != 4:
+        raise ValueError(f"k_cmp must be [B, C, G, d_k], got shape {k_cmp.shape}")
+    B, T, H, d_k = q.shape
+    if k_cmp.shape[0] != B or k_cmp.shape[3] != d_k:
+        raise ValueError(f"k_cmp {k_cmp.shape} must be [B={B}, C, G, d_k={d_k}] to match q "
+                         f"{q.shape}")
+    G = k_cmp.shape[2]
+    if G == 0 or H % G:
+        raise ValueError(f"the heads of q ({H}) must be a multiple of the heads of k_cmp ({G})")
+    if v_cmp is not None:
+        if v_cmp.ndim != 4 or v_cmp.shape[:3] != k_cmp.shape[:3]:
+            raise ValueError(f"v_cmp {v_cmp.shape} must be [B, C, G, d_v] with B, C, G of k_cmp "
+                             f"{k_cmp.shape}")
+    if T == 0:
+        raise ValueError("q must hold at least one query (T >= 1)")
+    if scale is None:
+        return 1.0 / math.sqrt(d_k)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale ({scale!r}) must be a finite float or None")
+    return float(scale)
+
+
+def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
+                         scale: Optional[float] = None,
+                         block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+    """Compressed attention with the spec's mask, as Pallas Triton kernels (forward and backward).
+
+    Args:
+      q: `[B, T, H, d_k]`, queries at positions `0..T-1`.
+      k_cmp: `[B, C, G, d_k]`, compressed keys (block `i` covers tokens `[i*d, i*d + l)`).
+      v_cmp: `[B, C, G, d_v]`, compressed values.
+      cmp_block: l. cmp_stride: d. scale: softmax scale, `1/sqrt(d_k)` when None.
+      block_sizes: tiles (`BlockSizes()` when None). interpret: run the kernels in Pallas'
+        interpreter (CPU tests).
+
+    Returns:
+      `o [B, T, H, d_v]` in the dtype of `q` and `lse [B, T, H]` float32 (natural log), with
+      `o = 0`, `lse = -inf` where query `t` sees no block (`t < l - 1`, or `C = 0`).
+      Differentiable in `q`, `k_cmp`, `v_cmp` (through `o` and `lse`).
+    """
+    scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                         scale=scale)
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a compressed_attention.BlockSizes, got "
+                         f"{type(block_sizes).__name__}")
+    B, T, H, _ = q.shape
+    if k_cmp.shape[1] == 0:
+        # No compressed block exists yet (T < l): nothing to launch. o does not depend on the
+        # inputs, so every gradient is exactly zero.
+        o = jnp.zeros((B, T, H, v_cmp.shape[3]), q.dtype)
+        return o, jnp.full((B, T, H), -jnp.inf, jnp.float32)
+    if not interpret:
+        silence_triton_deprecation()
+    return _compressed_attention_jit(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
+                                     interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-JAX reference
+
+
+def compressed_attention_reference(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
+                                   scale: Optional[float] = None, q_offset: int = 0):
+    """Plain-jnp compressed attention with an explicit `[T, C]` mask, in float32.
+
+    Same contract as `compressed_attention`; `q_offset` places the queries at positions
+    `q_offset .. q_offset + T - 1` (to evaluate a long sequence a chunk of queries at a time).
+    Memory O(B T H C): for tests and chunked checks only.
+    """
+    scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                         scale=scale)
+    B, T, H, _ = q.shape
+    G = k_cmp.shape[2]
+    qg = _group_view(q, G).astype(jnp.float32)
+    s = jnp.einsum("btghd,bcgd->btghc", qg, k_cmp.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale
+    mask = _reference_mask(T, k_cmp.shape[1], cmp_block, cmp_stride, q_offset)[None, :, None,
+                                                                                  None, :]
+    row_max = lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    # Masked scores are replaced before exp so that no inf ever enters a gradient.
+    e = jnp.where(mask, jnp.exp(jnp.where(mask, s, row_max) - row_max), 0.0)
+    row_sum = e.sum(axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    o = jnp.einsum("btghc,bcgd->btghd", e / safe_sum, v_cmp.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe_sum))[..., 0]
+    return o.reshape(B, T, H, -1).astype(q.dtype), lse.reshape(B, T, H)
+
+
+def _reference_mask(T: int, C: int, cmp_block: int, cmp_stride: int, q_offset: int = 0):
+    """`[T, C]` bool: query `q_offset + t` sees block `i` iff `i*d + l - 1 <= q_offset + t`."""
+    position = q_offset + jnp.arange(T)[:, None]
+    return jnp.arange(C)[None, :] * cmp_stride + cmp_block - 1 <= position

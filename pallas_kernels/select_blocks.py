@@ -1,0 +1,338 @@
+"""Block selection (NSA spec step 6) as a Pallas Triton kernel: scores and top-n in one pass.
+
+From `q`, `k_cmp` and the log-sum-exp of compressed attention, a program recomputes the
+compressed-attention probabilities `p_cmp = exp(s - lse)` one tile of compressed blocks at a
+time, maps them to selection-block scores with the overlap weights, sums them over the `h` heads
+of its KV group, forces the initial and local blocks, and folds the tile into a running top
+`n_sel` held in registers. Memory is the output `[B, T, G, n_sel]`; no `[T, T/d]` array exists.
+
+Program: one per (batch, query tile, KV group), holding `q_tile * h` rows like
+`compressed_attention`. Step `k` covers selection blocks `[k*S, (k+1)*S)` (`S = block_sel`) and the
+compressed blocks `[k*S*r, (k+1)*S*r)` (`r = l_sel / d`, the compressed blocks that start inside
+them). A compressed block that starts in the previous step's range can still overlap this step's
+first selection block (when `l > d`), so the head-summed probabilities of the previous step are
+carried and weighted too: each `q k^T` is computed once. The weights are
+`overlap(cmp block i, sel block j) / d` (`nsa_common.overlap_weights`), built in the kernel from
+iotas; with l = 2d, l_sel = 4d they weight blocks `4j-1 .. 4j+3` by `[1, 2, 2, 2, 1]`.
+
+Top-n: the running best (score, index) pairs stay sorted by score; a step merges its `S` scores
+by extracting the maximum `n_sel` times (max, then the lowest index among the maxima: ties go to
+the lower index, as the spec says). Only max/min reductions, `where` and iota comparisons are
+used, which the Triton lowering supports. A step whose best score cannot beat the current
+`n_sel`-th in any row is skipped.
+
+Layout: BTHD. `q [B, T, H, d_k]`, `k_cmp [B, C, G, d_k]`, `lse [B, T, H]` float32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from nsa_common import NSAConfig, overlap_weights
+from pallas_kernels._common import (
+    LOG2_E,
+    MATMUL_MIN,
+    matmul_dim,
+    next_pow2,
+    pad_axis,
+    silence_triton_deprecation,
+    triton_compiler_params,
+)
+from pallas_kernels.compressed_attention import (
+    _dot,
+    _group_view,
+    _reference_mask,
+    _row_spec,
+    _Tiling,
+    admissible,
+    check_inputs,
+    load_row_stats,
+    load_rows,
+    row_positions,
+)
+
+# An index larger than any block index: marks empty slots of the running top-n.
+_NO_BLOCK = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (powers of two, >= 16).
+
+    `block_q` counts rows of a query tile: queries times the `h` heads of one KV group (`h` padded
+    to a power of two). `block_sel` counts selection blocks scored per step.
+    """
+
+    block_q: int = 64
+    block_sel: int = 16
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
+            if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
+                raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
+                                 f"{MATMUL_MIN}")
+
+
+def _merge_top(top_val, top_idx, score, index, n_sel: int):
+    """The best `n_sel` of the running top `(top_val, top_idx) [R, K]` and a step's
+    `(score, index) [R, S]`, sorted by score (descending), ties to the lower index. Empty slots are
+    `(-inf, _NO_BLOCK)`; `-inf` scores (ineligible blocks) never enter."""
+    column = lax.broadcasted_iota(jnp.int32, top_val.shape, 1)
+
+    def extract(slot, carry):
+        top_val, top_idx, score, new_val, new_idx = carry
+        best = jnp.maximum(top_val.max(axis=1), score.max(axis=1))
+        # argmax with ties to the lower index, from max and min reductions only.
+        pick = jnp.minimum(
+            jnp.where(top_val == best[:, None], top_idx, _NO_BLOCK).min(axis=1),
+            jnp.where(score == best[:, None], index, _NO_BLOCK).min(axis=1))
+        pick = jnp.where(best == -jnp.inf, _NO_BLOCK, pick)
+        new_val = jnp.where(column == slot, best[:, None], new_val)
+        new_idx = jnp.where(column == slot, pick[:, None], new_idx)
+        top_val = jnp.where(top_idx == pick[:, None], -jnp.inf, top_val)
+        score = jnp.where(index == pick[:, None], -jnp.inf, score)
+        return top_val, top_idx, score, new_val, new_idx
+
+    init = (top_val, top_idx, score, jnp.full(top_val.shape, -jnp.inf, jnp.float32),
+            jnp.full(top_idx.shape, _NO_BLOCK, jnp.int32))
+    *_, new_val, new_idx = lax.fori_loop(0, n_sel, extract, init)
+    return new_val, new_idx
+
+
+def _ascending(top_idx, n_sel: int):
+    """`top_idx [R, K]` sorted ascending over its first `n_sel` slots, `_NO_BLOCK` -> -1."""
+    column = lax.broadcasted_iota(jnp.int32, top_idx.shape, 1)
+
+    def extract(slot, carry):
+        rest, out = carry
+        smallest = rest.min(axis=1)
+        out = jnp.where(column == slot, smallest[:, None], out)
+        rest = jnp.where(rest == smallest[:, None], _NO_BLOCK, rest)
+        return rest, out
+
+    _, out = lax.fori_loop(0, n_sel, extract,
+                           (top_idx, jnp.full(top_idx.shape, _NO_BLOCK, jnp.int32)))
+    return jnp.where(out == _NO_BLOCK, -1, out)
+
+
+def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block: int,
+                   cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
+                   scale: float, block_sel: int, span: int):
+    q_tile = q_ref.shape[0]
+    width = matmul_dim(span)  # compressed blocks loaded per step (>= span)
+    first_query = pl.program_id(1) * q_tile
+    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
+    position, real = row_positions(first_query, q_tile, tiling)
+    query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
+    last_sel = lax.div(query, sel_block)  # the last eligible selection block of each query
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+
+    # Overlap weights of the current step's and the previous step's compressed blocks (rows)
+    # with this step's selection blocks (columns). They do not depend on the step: a step
+    # shifts blocks and selection blocks by the same S * l_sel tokens. Integers (d | l, d | l_sel).
+    a = lax.broadcasted_iota(jnp.int32, (width, block_sel), 0)
+    b = lax.broadcasted_iota(jnp.int32, (width, block_sel), 1)
+
+    def weights(shift):
+        start = (a - shift) * cmp_stride
+        overlap = (jnp.minimum(start + cmp_block, (b + 1) * sel_block)
+                   - jnp.maximum(start, b * sel_block))
+        overlap = jnp.where(a < span, jnp.maximum(overlap, 0), 0)
+        return lax.div(overlap, cmp_stride).astype(jnp.float32)
+
+    w_current, w_previous = weights(0), weights(span)
+
+    def to_sel(p_sum, w):
+        """[q_tile, width] x [width, S] -> [q_tile, S]; a tl.dot needs q_tile >= 16."""
+        if q_tile >= MATMUL_MIN:
+            return _dot(p_sum, w)
+        return (p_sum[:, :, None] * w[None, :, :]).sum(axis=1)
+
+    column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
+
+    def step(k, carry):
+        previous, top_val, top_idx = carry
+        first_block = k * span
+        keys = k_ref[pl.ds(first_block, width), :]
+        s2 = _dot(q, keys, trans_b=True) * (scale * LOG2_E)
+        # Columns past `span` belong to the next step; their weight rows are zero here and in
+        # `w_previous`, so they need no mask.
+        mask = admissible(position, real, first_block, width, **geometry)
+        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
+        p_sum = p.reshape(q_tile, tiling.h_pad, width).sum(axis=1)
+        score = to_sel(p_sum, w_current) + to_sel(previous, w_previous)
+
+        index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
+        eligible = index <= last_sel[:, None]
+        forced = (index < n_init) | (index > last_sel[:, None] - n_local)
+        score = jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
+
+        # Skip the merge when no row can take a block from this step: its best score must beat
+        # the row's current n_sel-th (an equal score loses to the lower, earlier index).
+        nth = jnp.where(column == n_sel - 1, top_val, jnp.inf).min(axis=1)
+        enters = (score.max(axis=1) > nth).astype(jnp.int32).max() > 0
+        top_val, top_idx = lax.cond(
+            enters, lambda: _merge_top(top_val, top_idx, score, index, n_sel),
+            lambda: (top_val, top_idx))
+        return p_sum, top_val, top_idx
+
+    last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
+    n_steps = lax.div(lax.div(last_query, sel_block), block_sel) + 1
+    init = (jnp.zeros((q_tile, width), jnp.float32),
+            jnp.full((q_tile, idx_ref.shape[1]), -jnp.inf, jnp.float32),
+            jnp.full((q_tile, idx_ref.shape[1]), _NO_BLOCK, jnp.int32))
+    _, _, top_idx = lax.fori_loop(0, n_steps, step, init)
+    block_idx = _ascending(top_idx, n_sel)
+    if idx_ref.shape[1] == n_sel:
+        idx_ref[...] = block_idx
+    else:
+        pltriton.store(idx_ref, block_idx, mask=column < n_sel)
+
+
+def _selection_config(*, cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local) -> NSAConfig:
+    """Validate the selection hyperparameters through `NSAConfig`, the one place that checks
+    them (`ValueError` naming the field, which is also the argument's name here)."""
+    return NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+                     n_sel=n_sel, n_init=n_init, n_local=n_local)
+
+
+def _check_lse(lse, q):
+    B, T, H, _ = q.shape
+    if lse.shape != (B, T, H):
+        raise ValueError(f"lse must be [B, T, H] = {(B, T, H)} to match q, got {lse.shape}")
+
+
+@functools.partial(jax.jit, static_argnums=tuple(range(3, 12)))
+def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local,
+                   scale, block_sizes, interpret):
+    B, T, H, d_k = q.shape
+    G = k_cmp.shape[2]
+    heads = H // G
+    tiling = _Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
+                     d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
+    q_tile = tiling.q_tile(block_sizes.block_q)
+    n_q_tiles = pl.cdiv(T, q_tile)
+    T_pad = n_q_tiles * q_tile
+    block_sel = block_sizes.block_sel
+    span = block_sel * (sel_block // cmp_stride)
+    n_steps = ((T - 1) // sel_block) // block_sel + 1
+    n_blocks = max(tiling.n_cmp, (n_steps - 1) * span + matmul_dim(span))
+    k_pad = pad_axis(pad_axis(k_cmp, 1, n_blocks), 3, tiling.dk_pad)
+    n_sel_pad = next_pow2(n_sel)
+    kernel = functools.partial(
+        _select_kernel, tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
+        sel_block=sel_block, n_sel=n_sel, n_init=n_init, n_local=n_local, scale=scale,
+        block_sel=block_sel, span=span)
+    block_idx = pl.pallas_call(
+        kernel,
+        grid=(B, n_q_tiles, G),
+        in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
+                  pl.BlockSpec((None, n_blocks, None, tiling.dk_pad), lambda b, i, g: (b, 0, g, 0)),
+                  _row_spec(q_tile, tiling, None)],
+        out_specs=pl.BlockSpec((None, q_tile, None, n_sel_pad), lambda b, i, g: (b, i, g, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, n_sel), jnp.int32),
+        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
+        interpret=interpret,
+        name="nsa_select_blocks",
+    )(pad_axis(_group_view(q, G), 1, T_pad), k_pad,
+      pad_axis(_group_view(lse.astype(jnp.float32), G), 1, T_pad, value=-jnp.inf))
+    return block_idx[:, :T]
+
+
+def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,
+                  n_init: int, n_local: int, scale: Optional[float] = None,
+                  block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+    """Selected blocks of every query and KV group (spec step 6), as a Pallas Triton kernel.
+
+    Args:
+      q: `[B, T, H, d_k]`, queries at positions `0..T-1`.
+      k_cmp: `[B, C, G, d_k]`, compressed keys.
+      lse: `[B, T, H]` float32, the log-sum-exp `compressed_attention` returns with the same
+        `q`, `k_cmp`, `scale` (`-inf` where a query sees no compressed block).
+      cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local: l, d, l_sel and the selection
+        counts of the spec (checked as `NSAConfig` checks them).
+      scale: softmax scale, `1/sqrt(d_k)` when None. block_sizes: tiles (`BlockSizes()` when
+        None). interpret: run in Pallas' interpreter (CPU tests).
+
+    Returns:
+      `block_idx int32 [B, T, G, n_sel]`: the chosen selection blocks in ascending order, `-1`
+      padded at the end. No gradient (the scores are computed under `stop_gradient`).
+    """
+    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+                      n_sel=n_sel, n_init=n_init, n_local=n_local)
+    _check_lse(lse, q)
+    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a select_blocks.BlockSizes, got "
+                         f"{type(block_sizes).__name__}")
+    if not interpret:
+        silence_triton_deprecation()
+    q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
+    return _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_init,
+                          n_local, scale, block_sizes, interpret)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-JAX reference
+
+
+def select_blocks_reference(q, k_cmp, lse=None, *, cmp_block: int, cmp_stride: int,
+                            sel_block: int, n_sel: int, n_init: int, n_local: int,
+                            scale: Optional[float] = None, q_offset: int = 0):
+    """Plain-jnp block selection in float32, with the dense `[T, C]` probabilities and the
+    `nsa_common.overlap_weights` matrix. Same contract as `select_blocks`; `lse=None` computes
+    the log-sum-exp here. `q_offset` places the queries at `q_offset .. q_offset + T - 1` (to
+    evaluate a long sequence a chunk of queries at a time). Memory O(B T H C): tests only.
+    """
+    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    cfg = _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+                            n_sel=n_sel, n_init=n_init, n_local=n_local)
+    if lse is not None:
+        _check_lse(lse, q)
+    B, T, H, _ = q.shape
+    C, G = k_cmp.shape[1], k_cmp.shape[2]
+    qg = _group_view(lax.stop_gradient(q), G).astype(jnp.float32)
+    s = jnp.einsum("btghd,bcgd->btghc", qg, lax.stop_gradient(k_cmp).astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST) * scale
+    mask = _reference_mask(T, C, cmp_block, cmp_stride, q_offset)[None, :, None, None, :]
+    if lse is None:
+        lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
+    else:
+        lse = _group_view(lax.stop_gradient(lse), G).astype(jnp.float32)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
+    p_cmp = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lse), 0.0)
+
+    n_sel_blocks = (q_offset + T - 1) // sel_block + 1
+    weights = jnp.asarray(overlap_weights(cfg, C, n_sel_blocks))
+    p_sel = jnp.einsum("btghc,cj->btghj", p_cmp, weights, precision=lax.Precision.HIGHEST)
+    score = p_sel.sum(axis=3)  # [B, T, G, n_sel_blocks]
+
+    last = (q_offset + jnp.arange(T)) // sel_block
+    block = jnp.arange(n_sel_blocks)
+    eligible = (block[None, :] <= last[:, None])[None, :, None, :]
+    forced = ((block[None, :] < n_init) | (block[None, :] > last[:, None] - n_local))[
+        None, :, None, :]
+    score = jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
+    if n_sel_blocks < n_sel:
+        score = pad_axis(score, 3, n_sel, value=-jnp.inf)
+    # lax.top_k puts the lower index first among equal values: the spec's tie rule.
+    value, index = lax.top_k(score, n_sel)
+    index = jnp.sort(jnp.where(value == -jnp.inf, _NO_BLOCK, index), axis=-1)
+    return jnp.where(index == _NO_BLOCK, -1, index).astype(jnp.int32)
+
+
+__all__ = ["BlockSizes", "select_blocks", "select_blocks_reference"]

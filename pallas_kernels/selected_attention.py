@@ -1,0 +1,617 @@
+"""NSA selected attention (spec step 7) as Pallas GPU kernels, forward and backward.
+
+Query `t`, query head in KV group `g`, attends the tokens of the blocks `block_idx[b, t, g, :]`
+(ignoring `-1`) that are `<= t`. Block `j` covers tokens `[j*l_sel, (j+1)*l_sel)`.
+
+Forward (group-centric, as in the paper): one program per (token, KV head, batch). It loads the
+`h` query heads of its group, `[h, d_k]` padded to the 16 rows a matrix-unit product needs, walks
+the token's `n_sel` selected blocks read from `block_idx`, loads each `[l_sel, d]` K/V block by a
+dynamic slice, cuts the keys `> t`, and keeps an online softmax in float32. It writes `o` and the
+natural log-sum-exp `lse [B, T, H]`.
+
+Backward: `dq` mirrors the forward (p recomputed from lse, `delta = rowsum(o * do)` from XLA).
+`dk, dv` are deterministic, without atomics: XLA inverts `block_idx` into, per (batch, KV head),
+the list of queries that chose each block (one stable sort), cuts each block's list into work
+items of at most `dkv_chunk` queries, and a KV-block-major kernel runs one program per work item,
+gathering the `(query, head)` rows of its items into `[rows, d]` tiles. Each item writes its
+float32 partial; a second kernel sums a block's partials in item order. Splitting lists keeps the
+forced block 0, which every query selects, from serialising the pass on one SM.
+
+Lowering: the Pallas Triton lowering (`implementation="triton"`); `"xla"` runs the reference.
+A Mosaic GPU variant would sit beside it under its own `implementation` value. In-kernel offsets
+stay small: every ref is per batch (and per KV head), and Pallas switches to 64-bit offsets for
+arrays over 4 GiB, so T up to 256k does not overflow 32-bit arithmetic.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import (
+    LOG2_E,
+    LN_2,
+    check_implementation,
+    matmul_dim,
+    next_pow2,
+    pad_axis,
+    silence_triton_deprecation,
+    triton_compiler_params,
+)
+
+# `dot` lives in the Triton module from jax 0.7 on; `pl.dot` is its deprecated alias.
+_pl_dot = getattr(pltriton, "dot", None) or pl.dot
+
+__all__ = [
+    "BlockSizes",
+    "random_block_idx",
+    "selected_attention",
+    "selected_attention_reference",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Launch parameters of the three kernels. Frozen and hashable (a jit static argument).
+
+    Attributes:
+      dkv_rows: (query, head) rows the dk/dv kernel gathers per step, a power of 2 >= 16; with
+        `h` heads per group a step covers `dkv_rows // h` queries.
+      dkv_chunk: queries per dk/dv work item; `None` means `2 * n_sel * l_sel` (twice a block's
+        mean list length), so most blocks are one item and only the long lists split.
+      num_warps_* / num_stages_*: Triton launch parameters of the forward, dq and dk/dv kernels.
+    """
+    dkv_rows: int = 64
+    dkv_chunk: int | None = None
+    num_warps_fwd: int = 4
+    num_stages_fwd: int = 2
+    num_warps_dq: int = 4
+    num_stages_dq: int = 2
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 2
+
+    def __post_init__(self):
+        if self.dkv_rows < 16 or self.dkv_rows & (self.dkv_rows - 1):
+            raise ValueError(f"dkv_rows ({self.dkv_rows}) must be a power of 2 >= 16")
+        if self.dkv_chunk is not None and self.dkv_chunk < 1:
+            raise ValueError(f"dkv_chunk ({self.dkv_chunk}) must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes every kernel of one call shares (padded for the Triton lowering)."""
+    B: int
+    T: int
+    H: int
+    G: int
+    d_k: int
+    d_v: int
+    n_sel: int
+    l_sel: int
+
+    @property
+    def h(self) -> int:
+        return self.H // self.G
+
+    @property
+    def h_pad(self) -> int:  # query rows of a forward/dq program
+        return matmul_dim(self.h)
+
+    @property
+    def dk_pad(self) -> int:
+        return matmul_dim(self.d_k)
+
+    @property
+    def dv_pad(self) -> int:
+        return matmul_dim(self.d_v)
+
+    @property
+    def tile(self) -> int:  # keys loaded per block; the keys past l_sel are masked
+        return matmul_dim(self.l_sel)
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.T // self.l_sel)
+
+    @property
+    def T_pad(self) -> int:  # every block's [start, start + tile) load stays in bounds
+        return (self.n_blocks - 1) * self.l_sel + self.tile
+
+    @property
+    def n_sel_pad(self) -> int:
+        return next_pow2(self.n_sel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+# A finite "minus infinity" for masked logits: exp2(MASK - m) underflows to exactly 0 for any
+# real running max m, and MASK - MASK stays finite, so no mask pattern can produce a NaN.
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _dot(a, b, trans_b=False):
+    return _pl_dot(a, b, trans_b=trans_b)
+
+
+def _visit_bound(idx_ref):
+    """1 + the last slot holding a block (>= 0): trailing -1 padding is never visited."""
+    idx = idx_ref[...]
+    slot = lax.broadcasted_iota(jnp.int32, idx.shape, 0)
+    return jnp.max(jnp.where(idx >= 0, slot + 1, 0))
+
+
+def _load_block(k_ref, v_ref, j, t, l_sel, tile):
+    """K, V `[tile, d]` of block j and the keep mask `[1, tile]` of its keys for query t.
+
+    A slot that does not take part (-1, or a block starting after t) loads block 0, fully
+    masked, so the loop needs no branch."""
+    live = (j >= 0) & (j * l_sel <= t)
+    start = jnp.where(live, j, 0) * l_sel
+    k = k_ref[pl.ds(start, tile), :]
+    v = v_ref[pl.ds(start, tile), :]
+    offset = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+    keep = live & (start + offset <= t) & (offset < l_sel)
+    return k, v, keep
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile):
+    """One (token t, KV head g, batch b). q_ref [h_pad, dk_pad], k_ref [T_pad, dk_pad],
+    v_ref [T_pad, dv_pad], idx_ref [n_sel_pad]; o_ref [h_pad, dv_pad], lse_ref [h_pad]."""
+    t = pl.program_id(0)
+    q = q_ref[...]
+    rows, dv = o_ref.shape
+    scale_log2 = scale * LOG2_E
+
+    def visit(slot, carry):
+        acc, m, l = carry
+        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile)
+        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)   # [h_pad, tile]
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    init = (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = lax.fori_loop(0, _visit_bound(idx_ref), visit, init)
+    # A row that met no admissible key (only possible for invalid block_idx) still has the mask
+    # as its max: it gets o = 0 and lse = -inf, like the reference.
+    empty = m < 0.5 * MASK
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN_2)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, l_sel,
+               tile):
+    """One (token t, KV head g, batch b): dq of the group's heads. Shapes as `_fwd_kernel`, with
+    do_ref [h_pad, dv_pad], lse_ref / delta_ref [h_pad]; dq_ref [h_pad, dk_pad]."""
+    t = pl.program_id(0)
+    q = q_ref[...]
+    do = do_ref[...]
+    lse_log2 = lse_ref[...] * LOG2_E
+    delta = delta_ref[...]
+    scale_log2 = scale * LOG2_E
+
+    def visit(slot, dq):
+        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile)
+        s = _dot(q, k, trans_b=True) * scale_log2
+        p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
+        dp = _dot(do, v, trans_b=True)
+        ds = p * (dp - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(0, _visit_bound(idx_ref), visit, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
+                delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, l_sel, tile, h, H, rows):
+    """One (work item w, KV head g, batch b): the dk, dv contribution of the queries at positions
+    [lo, hi) of block j's query list. item_*_ref [W], qlist_ref [L] (query positions),
+    q_ref [T*H, dk_pad] and do_ref [T*H, dv_pad] (row t*H + head), lse_ref / delta_ref [T*H],
+    k_ref [T_pad, dk_pad], v_ref [T_pad, dv_pad]; dk_ref [tile, dk_pad], dv_ref [tile, dv_pad]
+    (float32 partials)."""
+    w, g = pl.program_id(0), pl.program_id(1)
+    j, lo, hi = item_block_ref[w], item_lo_ref[w], item_hi_ref[w]
+    start = j * l_sel
+    k = k_ref[pl.ds(start, tile), :]
+    v = v_ref[pl.ds(start, tile), :]
+    scale_log2 = scale * LOG2_E
+    queries_per_step = rows // h
+    # Row r of a step is (query slot r // h, head g*h + r % h); rows past h*queries_per_step idle.
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    slot, head = r // h, r % h
+    key_pos = start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
+    key_in_block = lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < l_sel
+
+    def step(c, carry):
+        dk, dv = carry
+        pos = lo + c * queries_per_step + slot
+        valid = (pos < hi) & (slot < queries_per_step)
+        t_row = jnp.where(valid, qlist_ref[pos], 0)
+        row = t_row * H + g * h + head
+        q = q_ref[row, :]
+        do = do_ref[row, :]
+        lse_log2 = lse_ref[row] * LOG2_E
+        delta = delta_ref[row]
+        s = _dot(k, q, trans_b=True) * scale_log2                  # [tile, rows]
+        keep = (key_pos <= t_row[None, :]) & valid[None, :] & key_in_block
+        p = jnp.where(keep, jnp.exp2(s - lse_log2[None, :]), 0.0)
+        dv = dv + _dot(p.astype(do.dtype), do)                     # [tile, dv_pad]
+        dp = _dot(v, do, trans_b=True)                             # [tile, rows]
+        ds = p * (dp - delta[None, :])
+        dk = dk + _dot(ds.astype(q.dtype), q)                      # [tile, dk_pad]
+        return dk, dv
+
+    n_steps = (hi - lo + queries_per_step - 1) // queries_per_step
+    dk, dv = lax.fori_loop(0, n_steps, step, (jnp.zeros(dk_ref.shape, jnp.float32),
+                                              jnp.zeros(dv_ref.shape, jnp.float32)))
+    dk_ref[...] = dk * scale
+    dv_ref[...] = dv
+
+
+def _dkv_reduce_kernel(item_start_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+    """One (block j, KV head g, batch b): sum block j's item partials in item order.
+    item_start_ref [n_blocks + 1], *_part_ref [W, tile, d_pad]; dk_ref / dv_ref [tile, d_pad]."""
+    j = pl.program_id(0)
+
+    def add(w, carry):
+        dk, dv = carry
+        return dk + dk_part_ref[w], dv + dv_part_ref[w]
+
+    dk, dv = lax.fori_loop(item_start_ref[j], item_start_ref[j + 1], add,
+                           (jnp.zeros(dk_ref.shape, jnp.float32),
+                            jnp.zeros(dv_ref.shape, jnp.float32)))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrappers
+# ------------------------------------------------------------------------------------------------
+
+def _pallas_call(kernel, *, name, num_warps, num_stages, interpret, debug, **kwargs):
+    if not interpret:
+        silence_triton_deprecation()
+    return pl.pallas_call(kernel, name=name, interpret=interpret, debug=debug,
+                          compiler_params=triton_compiler_params(num_warps, num_stages), **kwargs)
+
+
+def _group_rows(x: jax.Array, geo: _Geometry, d_pad: int) -> jax.Array:
+    """[B, T, H, d] -> [B, T, G, h_pad, d_pad], zero rows for the padded heads."""
+    x = x.reshape(geo.B, geo.T, geo.G, geo.h, x.shape[-1])
+    return pad_axis(pad_axis(x, 3, geo.h_pad), 4, d_pad)
+
+
+def _padded_kv(k, v, geo: _Geometry):
+    k = pad_axis(pad_axis(k, 1, geo.T_pad), 3, geo.dk_pad)
+    v = pad_axis(pad_axis(v, 1, geo.T_pad), 3, geo.dv_pad)
+    return k, v
+
+
+def _token_specs(geo: _Geometry):
+    """BlockSpecs of the per-token (forward, dq) kernels, grid (T, G, B)."""
+    rows = lambda d: pl.BlockSpec((None, None, None, geo.h_pad, d), lambda t, g, b: (b, t, g, 0, 0))
+    vec = pl.BlockSpec((None, None, None, geo.h_pad), lambda t, g, b: (b, t, g, 0))
+    kv = lambda d: pl.BlockSpec((None, geo.T_pad, None, d), lambda t, g, b: (b, 0, g, 0))
+    idx = pl.BlockSpec((None, None, None, geo.n_sel_pad), lambda t, g, b: (b, t, g, 0))
+    return rows, vec, kv, idx
+
+
+def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpret, debug):
+    qg = _group_rows(q, geo, geo.dk_pad)
+    kp, vp = _padded_kv(k, v, geo)
+    idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
+    rows, vec, kv, idx_spec = _token_specs(geo)
+    kernel = functools.partial(_fwd_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
+    o, lse = _pallas_call(
+        kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
+        num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
+        grid=(geo.T, geo.G, geo.B),
+        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec],
+        out_specs=[rows(geo.dv_pad), vec],
+        out_shape=[jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dv_pad), q.dtype),
+                   jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad), jnp.float32)],
+    )(qg, kp, vp, idx)
+    o = o[:, :, :, :geo.h, :geo.d_v].reshape(geo.B, geo.T, geo.H, geo.d_v)
+    lse = lse[..., :geo.h].reshape(geo.B, geo.T, geo.H)
+    return o, lse
+
+
+def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, debug):
+    qg = _group_rows(q, geo, geo.dk_pad)
+    dog = _group_rows(do, geo, geo.dv_pad)
+    kp, vp = _padded_kv(k, v, geo)
+    idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
+    per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
+    rows, vec, kv, idx_spec = _token_specs(geo)
+    kernel = functools.partial(_dq_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
+    dq = _pallas_call(
+        kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
+        num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
+        grid=(geo.T, geo.G, geo.B),
+        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, rows(geo.dv_pad),
+                  vec, vec],
+        out_specs=rows(geo.dk_pad),
+        out_shape=jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dk_pad), q.dtype),
+    )(qg, kp, vp, idx, dog, per_row(lse), per_row(delta))
+    return dq[:, :, :, :geo.h, :geo.d_k].reshape(geo.B, geo.T, geo.H, geo.d_k)
+
+
+def _dkv_chunk(geo: _Geometry, bs: BlockSizes, queries_per_step: int) -> int:
+    chunk = bs.dkv_chunk if bs.dkv_chunk is not None else 2 * geo.n_sel * geo.l_sel
+    return max(1, min(chunk, geo.T))
+
+
+def _inverse_index(block_idx, geo: _Geometry, chunk: int, pad: int):
+    """Per (batch, KV head): which queries chose each block, cut into work items.
+
+    Returns `qlist [B, G, T*n_sel + pad]` (query positions grouped by block, ascending within a
+    block), `item_block, item_lo, item_hi [B, G, W]` (work item w covers qlist[lo:hi] of block
+    item_block; items past the last real one are empty), and `item_start [B, G, n_blocks + 1]`
+    (block j owns items item_start[j] .. item_start[j+1]-1). W = n_blocks + ceil(T*n_sel/chunk)
+    bounds the item count, since sum_j ceil(n_j / chunk) <= n_blocks + sum_j n_j / chunk.
+    """
+    B, T, G, n_sel, nb = geo.B, geo.T, geo.G, geo.n_sel, geo.n_blocks
+    n_entries = T * n_sel
+    n_items = nb + -(-n_entries // chunk)
+    t = jnp.arange(T, dtype=jnp.int32)[:, None]
+
+    def one(blk):  # blk [T, n_sel] of one (b, g)
+        chosen = (blk >= 0) & (blk * geo.l_sel <= t)
+        key = jnp.where(chosen, blk, nb).reshape(-1)
+        who = jnp.broadcast_to(t, blk.shape).reshape(-1)
+        # Entries are t-major, so a stable sort on the block keeps each block's queries ascending.
+        key, who = lax.sort((key, who), num_keys=1, is_stable=True)
+        offsets = jnp.searchsorted(key, jnp.arange(nb + 1, dtype=jnp.int32),
+                                   side="left").astype(jnp.int32)
+        counts = offsets[1:] - offsets[:-1]
+        items = (counts + chunk - 1) // chunk
+        item_start = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                                      jnp.cumsum(items, dtype=jnp.int32)])
+        w = jnp.arange(n_items, dtype=jnp.int32)
+        real = w < item_start[-1]
+        block = jnp.clip(jnp.searchsorted(item_start, w, side="right").astype(jnp.int32) - 1,
+                         0, nb - 1)
+        lo = offsets[block] + (w - item_start[block]) * chunk
+        hi = jnp.minimum(lo + chunk, offsets[block + 1])
+        block = jnp.where(real, block, 0)
+        lo = jnp.where(real, lo, 0)
+        hi = jnp.where(real, hi, 0)
+        qlist = jnp.concatenate([who, jnp.zeros((pad,), jnp.int32)])
+        return qlist, block, lo, hi, item_start
+
+    per_group = jnp.transpose(block_idx.astype(jnp.int32), (0, 2, 1, 3))  # [B, G, T, n_sel]
+    return jax.vmap(jax.vmap(one))(per_group)
+
+
+def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, debug):
+    B, T, H, G = geo.B, geo.T, geo.H, geo.G
+    rows = max(bs.dkv_rows, matmul_dim(geo.h))
+    queries_per_step = rows // geo.h
+    chunk = _dkv_chunk(geo, bs, queries_per_step)
+    qlist, item_block, item_lo, item_hi, item_start = _inverse_index(
+        block_idx, geo, chunk, pad=queries_per_step)
+    n_items = item_block.shape[-1]
+
+    q_rows = pad_axis(q, 3, geo.dk_pad).reshape(B, T * H, geo.dk_pad)
+    do_rows = pad_axis(do, 3, geo.dv_pad).reshape(B, T * H, geo.dv_pad)
+    lse_rows = lse.reshape(B, T * H)
+    delta_rows = delta.reshape(B, T * H)
+    kp, vp = _padded_kv(k, v, geo)
+
+    table = pl.BlockSpec((None, None, n_items), lambda w, g, b: (b, g, 0))
+    qlist_spec = pl.BlockSpec((None, None, qlist.shape[-1]), lambda w, g, b: (b, g, 0))
+    row_spec = lambda d: pl.BlockSpec((None, T * H, d), lambda w, g, b: (b, 0, 0))
+    vec_spec = pl.BlockSpec((None, T * H), lambda w, g, b: (b, 0))
+    kv_spec = lambda d: pl.BlockSpec((None, geo.T_pad, None, d), lambda w, g, b: (b, 0, g, 0))
+    part_spec = lambda d: pl.BlockSpec((None, None, None, geo.tile, d),
+                                       lambda w, g, b: (b, g, w, 0, 0))
+    kernel = functools.partial(_dkv_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+                               h=geo.h, H=H, rows=rows)
+    dk_part, dv_part = _pallas_call(
+        kernel, name="nsa_selected_attention_dkv", num_warps=bs.num_warps_dkv,
+        num_stages=bs.num_stages_dkv, interpret=interpret, debug=debug,
+        grid=(n_items, G, B),
+        in_specs=[table, table, table, qlist_spec, row_spec(geo.dk_pad), row_spec(geo.dv_pad),
+                  vec_spec, vec_spec, kv_spec(geo.dk_pad), kv_spec(geo.dv_pad)],
+        out_specs=[part_spec(geo.dk_pad), part_spec(geo.dv_pad)],
+        out_shape=[jax.ShapeDtypeStruct((B, G, n_items, geo.tile, geo.dk_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, n_items, geo.tile, geo.dv_pad), jnp.float32)],
+    )(item_block, item_lo, item_hi, qlist, q_rows, do_rows, lse_rows, delta_rows, kp, vp)
+
+    nb = geo.n_blocks
+    parts_spec = lambda d: pl.BlockSpec((None, None, n_items, geo.tile, d),
+                                        lambda j, g, b: (b, g, 0, 0, 0))
+    out_spec = lambda d: pl.BlockSpec((None, None, geo.tile, None, d),
+                                      lambda j, g, b: (b, j, 0, g, 0))
+    dk, dv = _pallas_call(
+        _dkv_reduce_kernel, name="nsa_selected_attention_dkv_reduce", num_warps=4, num_stages=1,
+        interpret=interpret, debug=debug, grid=(nb, G, B),
+        in_specs=[pl.BlockSpec((None, None, nb + 1), lambda j, g, b: (b, g, 0)),
+                  parts_spec(geo.dk_pad), parts_spec(geo.dv_pad)],
+        out_specs=[out_spec(geo.dk_pad), out_spec(geo.dv_pad)],
+        out_shape=[jax.ShapeDtypeStruct((B, nb, geo.tile, G, geo.dk_pad), k.dtype),
+                   jax.ShapeDtypeStruct((B, nb, geo.tile, G, geo.dv_pad), v.dtype)],
+    )(item_start, dk_part, dv_part)
+
+    def unblock(x, d):  # [B, nb, tile, G, d_pad] -> [B, T, G, d]
+        x = x[:, :, :geo.l_sel].reshape(B, nb * geo.l_sel, G, x.shape[-1])
+        return x[:, :T, :, :d]
+
+    return unblock(dk, geo.d_k), unblock(dv, geo.d_v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _selected_attention(q, k, v, block_idx, geo, scale, block_sizes, interpret, debug):
+    return _forward(q, k, v, block_idx, geo, scale, block_sizes, interpret, debug)[0]
+
+
+def _selected_attention_fwd(q, k, v, block_idx, geo, scale, block_sizes, interpret, debug):
+    o, lse = _forward(q, k, v, block_idx, geo, scale, block_sizes, interpret, debug)
+    return o, (q, k, v, block_idx, o, lse)
+
+
+def _selected_attention_bwd(geo, scale, block_sizes, interpret, debug, residuals, do):
+    q, k, v, block_idx, o, lse = residuals
+    do = do.astype(o.dtype)
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, T, H]
+    args = (q, k, v, block_idx, do, lse, delta, geo, scale, block_sizes, interpret, debug)
+    dq = _backward_dq(*args)
+    dk, dv = _backward_dkv(*args)
+    return dq, dk, dv, None
+
+
+_selected_attention.defvjp(_selected_attention_fwd, _selected_attention_bwd)
+
+
+def _validate(q, k, v, block_idx, block_size) -> _Geometry:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, H, d_k], got shape {q.shape}")
+    if k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"k and v must be [B, T, G, d], got shapes {k.shape} and {v.shape}")
+    B, T, H, d_k = q.shape
+    G = k.shape[2]
+    if k.shape[:2] != (B, T) or v.shape[:3] != (B, T, G):
+        raise ValueError(f"k {k.shape} and v {v.shape} must share B, T (and G) with q {q.shape}")
+    if k.shape[3] != d_k:
+        raise ValueError(f"k's head dim ({k.shape[3]}) must equal q's d_k ({d_k})")
+    if H % G:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's KV heads ({G})")
+    if block_idx.ndim != 4 or block_idx.shape[:3] != (B, T, G):
+        raise ValueError(f"block_idx must be [B, T, G, n_sel] = [{B}, {T}, {G}, n_sel], got "
+                         f"{block_idx.shape}")
+    if not jnp.issubdtype(block_idx.dtype, jnp.integer):
+        raise ValueError(f"block_idx must hold integers, got {block_idx.dtype}")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one float dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size ({block_size!r}) must be a positive int")
+    if T == 0 or block_idx.shape[3] == 0:
+        raise ValueError(f"T ({T}) and n_sel ({block_idx.shape[3]}) must be positive")
+    return _Geometry(B=B, T=T, H=H, G=G, d_k=d_k, d_v=v.shape[3], n_sel=block_idx.shape[3],
+                     l_sel=block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "block_sizes", "interpret",
+                                             "debug", "implementation"))
+def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None = None, *,
+                       block_sizes: BlockSizes | None = None, interpret: bool = False,
+                       debug: bool = False, implementation: str = "triton"):
+    """NSA selected attention (spec step 7).
+
+    Args:
+      q: `[B, T, H, d_k]`; k: `[B, T, G, d_k]`; v: `[B, T, G, d_v]`, one float dtype.
+      block_idx: int `[B, T, G, n_sel]`, the chosen blocks of each query and KV head, ascending,
+        `-1` padded. Entries that are -1 or start after t are ignored.
+      block_size: l_sel, tokens per selection block.
+      scale: softmax scale, `1/sqrt(d_k)` when None.
+      block_sizes: launch parameters (`BlockSizes()` when None).
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+      implementation: "triton" (Pallas Triton lowering) or "xla" (the reference).
+
+    Returns:
+      o: `[B, T, H, d_v]` in q's dtype. Differentiable in q, k, v.
+    """
+    check_implementation(implementation)
+    geo = _validate(q, k, v, block_idx, block_size)
+    scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
+    if implementation == "xla":
+        return selected_attention_reference(q, k, v, block_idx, block_size, scale)
+    return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
+                               interpret, debug)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference and test inputs
+# ------------------------------------------------------------------------------------------------
+
+def selected_attention_reference(q, k, v, block_idx, block_size: int, scale: float | None = None,
+                                 *, query_chunk: int | None = None):
+    """Plain-JAX selected attention: gathers each query's selected keys, float32 softmax.
+
+    Shapes as `selected_attention`. `query_chunk` processes the queries in chunks of that many
+    (rematerialised in the backward pass) so long sequences fit in memory: the gathered keys of a
+    chunk are `[B, chunk, G, n_sel * block_size, d]`.
+    """
+    geo = _validate(q, k, v, block_idx, block_size)
+    B, T, H, G, h, n_sel, l_sel = geo.B, geo.T, geo.H, geo.G, geo.h, geo.n_sel, geo.l_sel
+    scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
+    batch = jnp.arange(B)[:, None, None, None]
+    group = jnp.arange(G)[None, None, :, None]
+    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def attend(q_c, idx_c, t_c):  # [B, C, H, d_k], [B, C, G, n_sel], [C]
+        C = q_c.shape[1]
+        pos = idx_c[..., None] * l_sel + jnp.arange(l_sel)                # [B, C, G, n_sel, l]
+        keep = (idx_c[..., None] >= 0) & (pos <= t_c[None, :, None, None, None]) & (pos < T)
+        pos = jnp.clip(pos, 0, T - 1).reshape(B, C, G, n_sel * l_sel)
+        keep = keep.reshape(B, C, G, 1, n_sel * l_sel)
+        k_c, v_c = k32[batch, pos, group], v32[batch, pos, group]         # [B, C, G, S, d]
+        q_c = q_c.reshape(B, C, G, h, geo.d_k).astype(jnp.float32)
+        logits = jnp.einsum("bcghd,bcgsd->bcghs", q_c, k_c,
+                            precision=lax.Precision.HIGHEST) * scale
+        logits = jnp.where(keep, logits, -jnp.inf)
+        any_key = jnp.any(keep, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(jnp.where(any_key, logits, 0.0), axis=-1) * any_key
+        o = jnp.einsum("bcghs,bcgsd->bcghd", weights, v_c, precision=lax.Precision.HIGHEST)
+        return o.reshape(B, C, H, geo.d_v).astype(q.dtype)
+
+    t_all = jnp.arange(T, dtype=jnp.int32)
+    if query_chunk is None or query_chunk >= T:
+        return attend(q, block_idx, t_all)
+    n_chunks = -(-T // query_chunk)
+    T_pad = n_chunks * query_chunk
+    chunks = lambda x: jnp.moveaxis(
+        pad_axis(x, 1, T_pad).reshape(B, n_chunks, query_chunk, *x.shape[2:]), 1, 0)
+    q_chunks = chunks(q)
+    idx_chunks = chunks(pad_axis(block_idx, 1, T_pad, value=-1))
+    t_chunks = pad_axis(t_all, 0, T_pad).reshape(n_chunks, query_chunk)
+    o = lax.map(jax.checkpoint(lambda a: attend(*a)), (q_chunks, idx_chunks, t_chunks))
+    return jnp.moveaxis(o, 0, 1).reshape(B, T_pad, H, geo.d_v)[:, :T]
+
+
+def random_block_idx(key, B: int, T: int, G: int, n_sel: int, block_size: int, *,
+                     n_init: int = 1, n_local: int = 2, query_chunk: int = 4096) -> jax.Array:
+    """A random valid `block_idx int32 [B, T, G, n_sel]` in the spec's form (step 6).
+
+    Query t's eligible blocks are 0 .. t // block_size. The first `n_init` and the `n_local` most
+    recent eligible blocks are always chosen; the rest of the `n_sel` are drawn uniformly from
+    the other eligible blocks. Ascending, padded at the end with -1 when fewer are eligible.
+    Built `query_chunk` queries at a time, so T = 64k stays small in memory.
+    """
+    n_blocks = -(-T // block_size)
+    k_top = min(n_sel, n_blocks)
+    blocks = jnp.arange(n_blocks, dtype=jnp.int32)
+
+    def chunk(args):
+        key_c, t_c = args  # t_c [C]
+        last = (t_c // block_size)[:, None]                           # [C, 1]
+        eligible = blocks[None, :] <= last
+        forced = (blocks[None, :] < n_init) | ((blocks[None, :] > last - n_local) & eligible)
+        score = jax.random.uniform(key_c, (B, t_c.shape[0], G, n_blocks))
+        score = jnp.where(forced[None, :, None, :], 2.0, score)
+        score = jnp.where(eligible[None, :, None, :], score, -1.0)
+        top_score, top = lax.top_k(score, k_top)
+        top = jnp.where(top_score >= 0.0, top, n_blocks)              # ineligible -> sorts last
+        top = jnp.sort(top, axis=-1)
+        top = jnp.where(top == n_blocks, -1, top).astype(jnp.int32)
+        return pad_axis(top, 3, n_sel, value=-1)
+
+    C = min(query_chunk, T)
+    n_chunks = -(-T // C)
+    t_all = pad_axis(jnp.arange(T, dtype=jnp.int32), 0, n_chunks * C).reshape(n_chunks, C)
+    out = lax.map(chunk, (jax.random.split(key, n_chunks), t_all))   # [n_chunks, B, C, G, n_sel]
+    return jnp.moveaxis(out, 0, 1).reshape(B, n_chunks * C, G, n_sel)[:, :T]

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# One-shot GPU runner: everything the project measures on a GPU, in one run of under 10 minutes.
+#
+#   bash scripts/runner_oneshot.sh
+#
+# Steps (each with its own log under $ARTIFACTS_DIR/logs/ and its own time limit; a failing or
+# timed-out step is recorded in the summary and the run goes on):
+#   wheels      install the carried wheels of .whl/ (flash_attn3_jax, fla-core, ...) into
+#               /tmp/site without network and put it on PYTHONPATH
+#   env         nvidia-smi, versions, commit -> env.json, nvidia-smi.txt, pip_freeze.txt
+#   routing     python -m nsa_torch_ref.routing -> routing.json
+#   sanity      python scripts/gpu_sanity.py
+#   parity_*    python -m parity --device gpu (XLA vs SDPA, then Pallas vs Triton/FA-2, bf16)
+#   pytest_gpu  python -m pytest -m gpu tests (the GPU test matrix) -> pytest_gpu.xml
+#   prefill     bench/bench_prefill.py at a short S list -> bench/prefill.{csv,png}
+#   decode      bench/bench_decode.py at a short S list -> bench/decode.{csv,png}
+#   summaries   the benches' tables -> bench/*_summary.txt
+# then summary.txt / summary.json (one line per step: status, exit code, seconds).
+#
+# Environment (all optional):
+#   ARTIFACTS_DIR   where everything goes (default artifacts/runner/<commit>)
+#   RUNNER_TAR      also pack ARTIFACTS_DIR into this one .tar.gz (the device tool returns at most
+#                   8 files, 2 folders deep: point RUNNER_TAR at $OUT and ARTIFACTS_DIR elsewhere)
+#   COMMIT          commit label where git cannot tell (the device copy has no .git)
+#   RUNNER_BUDGET_S total seconds for all steps (default 540); a step gets at most what is left
+#   RUNNER_STEPS    comma list of steps to run (default: all, in the order above)
+#   PYTHON          interpreter (default python3)
+#   PREFILL_S, PREFILL_ROWS, PREFILL_ITERS, PREFILL_ARGS   bench_prefill settings
+#   DECODE_S, DECODE_B, DECODE_ITERS, DECODE_ARGS          bench_decode settings
+#   PYTEST_ARGS     extra pytest arguments
+set -u
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+PY=${PYTHON:-python3}
+START=$(date +%s)
+BUDGET=${RUNNER_BUDGET_S:-540}
+
+COMMIT=${COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || true)}
+COMMIT=${COMMIT:-unknown}
+export COMMIT
+ART=${ARTIFACTS_DIR:-artifacts/runner/$COMMIT}
+mkdir -p "$ART/logs" "$ART/bench"
+ART=$(cd "$ART" && pwd)
+SUMMARY_TSV="$ART/logs/.steps.tsv"
+: >"$SUMMARY_TSV"
+
+PREFILL_S=${PREFILL_S:-8k,16k}
+PREFILL_ROWS=${PREFILL_ROWS:-nsa_jax_pallas,nsa_jax_xla,nsa_jax_pallas_fla,nsa_torch,fla_parallel_nsa,cudnn_full,fa3_full,torch_sdpa_flash,projections}
+PREFILL_ITERS=${PREFILL_ITERS:-10}
+DECODE_S=${DECODE_S:-8k,32k}
+DECODE_B=${DECODE_B:-1,32}
+DECODE_ITERS=${DECODE_ITERS:-20}
+STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,prefill,decode,summaries}
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
+
+wanted() { case ",$STEPS," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+
+# run_step NAME LIMIT_S COMMAND...: run with a time limit, log to logs/NAME.log, record status.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  wanted "$name" || return 0
+  local now left status rc t0 t1
+  now=$(date +%s)
+  left=$((BUDGET - (now - START) - 15))
+  if [ "$left" -lt 20 ]; then
+    printf '%s\tskipped\t-\t0\tbudget spent\n' "$name" >>"$SUMMARY_TSV"
+    echo "[runner] $name: skipped (budget spent)"
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "[runner] $name (limit ${limit}s)"
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$ART/logs/$name.log" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status=failed ;;
+  esac
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((t1 - t0))" "logs/$name.log" >>"$SUMMARY_TSV"
+  echo "[runner] $name: $status (rc $rc, $((t1 - t0))s)"
+  return 0
+}
+
+install_wheels() {
+  if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "no .whl/ here: peer rows that need flash_attn3_jax / fla will print 'skipped'"
+    return 0
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || return 1
+  ls /tmp/site
+}
+if wanted wheels; then
+  run_step wheels 120 bash -c "$(declare -f install_wheels); PY='$PY' install_wheels"
+  [ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+collect_env() {
+  nvidia-smi >"$ART/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" >>"$ART/nvidia-smi.txt"
+  "$PY" -m pip freeze >"$ART/pip_freeze.txt" 2>&1 || true
+  "$PY" - "$ART/env.json" <<'EOF'
+import json, sys
+from bench import common
+env = common.environment()
+try:
+    import jax
+    env["jax_devices"] = [str(d) for d in jax.devices()]
+except Exception as exc:
+    env["jax_devices"] = f"error: {exc}"
+try:
+    import torch
+    env["torch_cuda"] = {"available": torch.cuda.is_available(), "cuda": torch.version.cuda,
+                         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+except Exception as exc:
+    env["torch_cuda"] = f"error: {exc}"
+with open(sys.argv[1], "w") as f:
+    json.dump(env, f, indent=2, sort_keys=True)
+print(json.dumps(env, indent=2, sort_keys=True))
+EOF
+}
+run_step env 90 bash -c "$(declare -f collect_env); ART='$ART' PY='$PY' collect_env"
+
+run_step routing 60 bash -c "set -o pipefail; '$PY' -m nsa_torch_ref.routing | tee '$ART/routing.json'"
+run_step sanity 120 "$PY" scripts/gpu_sanity.py
+run_step parity_xla 120 "$PY" -m parity --device gpu --json "$ART/parity_xla_sdpa.json"
+run_step parity_fast 120 "$PY" -m parity --device gpu --dtype bfloat16 --jax-backend pallas \
+  --torch-backend triton --json "$ART/parity_pallas_triton_bf16.json"
+# shellcheck disable=SC2086
+run_step pytest_gpu 200 "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider \
+  --junitxml="$ART/pytest_gpu.xml" ${PYTEST_ARGS:-}
+# shellcheck disable=SC2086
+run_step prefill 200 "$PY" bench/bench_prefill.py --S_list "$PREFILL_S" --rows "$PREFILL_ROWS" \
+  --iters "$PREFILL_ITERS" --warmup 2 --repeats 3 --row_timeout 150 --no_progress \
+  --out "$ART/bench" ${PREFILL_ARGS:-}
+# shellcheck disable=SC2086
+run_step decode 150 "$PY" bench/bench_decode.py --S_list "$DECODE_S" --B "$DECODE_B" \
+  --iters "$DECODE_ITERS" --warmup 2 --repeats 3 --no_progress --csv "$ART/bench/decode.csv" \
+  ${DECODE_ARGS:-}
+
+make_summaries() {
+  [ -f "$ART/bench/prefill_summary.txt" ] && cat "$ART/bench/prefill_summary.txt"
+  echo
+  if [ -f "$ART/bench/decode.csv" ]; then
+    "$PY" bench/summarize_decode_csv.py "$ART/bench/decode.csv" | tee "$ART/bench/decode_table.txt"
+  fi
+}
+run_step summaries 30 bash -c "$(declare -f make_summaries); ART='$ART' PY='$PY' make_summaries"
+
+# Final summary: one line per step; also JSON for tools.
+{
+  echo "runner: commit $COMMIT, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(( $(date +%s) - START ))s"
+  echo "gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null \
+    | head -n 1 || true)"
+  printf '%-12s %-8s %-4s %6s  %s\n' step status rc secs log
+  while IFS=$'\t' read -r name status rc secs log; do
+    printf '%-12s %-8s %-4s %6s  %s\n' "$name" "$status" "$rc" "$secs" "$log"
+  done <"$SUMMARY_TSV"
+} >"$ART/summary.txt"
+"$PY" - "$SUMMARY_TSV" "$ART/summary.json" "$COMMIT" <<'EOF'
+import json, sys
+steps = []
+with open(sys.argv[1]) as f:
+    for line in f:
+        name, status, rc, secs, log = line.rstrip("\n").split("\t")
+        steps.append({"step": name, "status": status, "rc": rc, "seconds": secs, "log": log})
+with open(sys.argv[2], "w") as f:
+    json.dump({"commit": sys.argv[3], "steps": steps}, f, indent=2)
+EOF
+rm -f "$SUMMARY_TSV"
+
+echo
+cat "$ART/summary.txt"
+for table in "$ART/bench/prefill_summary.txt" "$ART/bench/decode_table.txt"; do
+  [ -f "$table" ] && { echo; cat "$table"; }
+done
+
+if [ -n "${RUNNER_TAR:-}" ]; then
+  mkdir -p "$(dirname "$RUNNER_TAR")"
+  tar -czf "$RUNNER_TAR" -C "$(dirname "$ART")" "$(basename "$ART")" && echo "packed $ART into $RUNNER_TAR"
+fi
+exit 0

@@ -1,0 +1,171 @@
+"""Compressed-attention Pallas kernels (interpret mode on CPU) against the plain-jnp reference
+and the float64 brute force: outputs, lse, gradients, and the spec's edge cases."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import bruteforce as bf
+from nsa_common import NSAConfig
+from pallas_kernels.compressed_attention import (
+    BlockSizes,
+    compressed_attention,
+    compressed_attention_reference,
+)
+
+# Relative L2 error bounds (shared/NSA_SPEC.md "Tolerances").
+TOL = {jnp.float32: {"out": 1e-5, "grad": 1e-4}, jnp.bfloat16: {"out": 1e-2, "grad": 1e-2}}
+
+# Small tiles so that the tiny CPU shapes still span several query and key tiles.
+SMALL = BlockSizes(block_q=16, block_kv=16, block_q_dq=16, block_kv_dq=16, block_q_dkv=32,
+                   block_kv_dkv=16)
+
+
+def rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert np.isfinite(x).all(), "NaN or Inf"
+    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def make_inputs(seed, B, T, H, G, d_k, d_v, l, d, dtype=jnp.float32):
+    C = max(0, (T - l) // d + 1)
+    kq, kk, kv, ko, kl = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(kq, (B, T, H, d_k), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, C, G, d_k), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, C, G, d_v), jnp.float32).astype(dtype)
+    do = jax.random.normal(ko, (B, T, H, d_v), jnp.float32)
+    dlse = jax.random.normal(kl, (B, T, H), jnp.float32)
+    return q, k, v, do, dlse
+
+
+def loss_fn(attention, do, dlse, **kw):
+    """A scalar that pulls on both outputs, so the lse cotangent path is checked too."""
+    def loss(q, k, v):
+        o, lse = attention(q, k, v, **kw)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse * dlse)
+    return loss
+
+
+# (B, T, H, G, d_k, d_v, l, d): h = 4, 1, 16, 3; T not a multiple of d, of l, or of the tiles;
+# d_k != d_v and head dims that are not powers of two.
+CASES = [
+    (1, 50, 4, 1, 16, 8, 8, 4),
+    (2, 37, 2, 2, 24, 40, 8, 4),
+    (1, 45, 16, 1, 16, 16, 16, 8),
+    (1, 29, 6, 2, 8, 12, 4, 4),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}G{}dk{}dv{}l{}d{}".format(*c))
+def test_forward_and_gradients_float32(case):
+    B, T, H, G, d_k, d_v, l, d = case
+    q, k, v, do, dlse = make_inputs(0, *case)
+    kw = dict(cmp_block=l, cmp_stride=d)
+    kernel = jax.jit(lambda q, k, v: compressed_attention(q, k, v, block_sizes=SMALL,
+                                                          interpret=True, **kw))
+    o, lse = kernel(q, k, v)
+    o_ref, lse_ref = compressed_attention_reference(q, k, v, **kw)
+    assert o.shape == (B, T, H, d_v) and o.dtype == q.dtype
+    assert lse.shape == (B, T, H) and lse.dtype == jnp.float32
+    assert rel_err(o, o_ref) <= TOL[jnp.float32]["out"]
+    # lse is -inf exactly where the query sees no block (t < l - 1), finite elsewhere.
+    empty = np.arange(T) < l - 1
+    np.testing.assert_array_equal(np.isneginf(lse), np.broadcast_to(empty[None, :, None],
+                                                                     lse.shape))
+    assert rel_err(np.where(np.isfinite(lse), lse, 0), np.where(np.isfinite(lse_ref), lse_ref, 0)
+                   ) <= TOL[jnp.float32]["out"]
+    assert np.all(np.asarray(o)[:, empty] == 0.0)
+
+    cfg = NSAConfig(n_heads=H, n_kv_heads=G, d_k=d_k, d_v=d_v, cmp_block=l, cmp_stride=d,
+                    sel_block=max(l, 2 * d), n_sel=3, rope_theta=None)
+    o_bf, _ = bf.bf_compressed_attention(np.asarray(q), np.asarray(k), np.asarray(v), cfg)
+    assert rel_err(o, o_bf) <= TOL[jnp.float32]["out"]
+
+    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, block_sizes=SMALL,
+                                    interpret=True, **kw), argnums=(0, 1, 2)))(q, k, v)
+    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
+                        argnums=(0, 1, 2))(q, k, v)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
+        assert g.shape == g_ref.shape and g.dtype == g_ref.dtype, name
+        assert rel_err(g, g_ref) <= TOL[jnp.float32]["grad"], name
+    # Queries that see no block get exactly zero gradient.
+    assert np.all(np.asarray(grad[0])[:, empty] == 0.0)
+
+
+def test_bfloat16_default_tiles_and_custom_scale():
+    case = (1, 70, 8, 2, 32, 16, 8, 4)
+    B, T, H, G, d_k, d_v, l, d = case
+    q, k, v, do, dlse = make_inputs(1, *case, dtype=jnp.bfloat16)
+    kw = dict(cmp_block=l, cmp_stride=d, scale=0.3)
+    o, lse = jax.jit(lambda q, k, v: compressed_attention(q, k, v, interpret=True, **kw))(q, k, v)
+    o_ref, lse_ref = compressed_attention_reference(q, k, v, **kw)
+    assert o.dtype == jnp.bfloat16
+    assert rel_err(o, o_ref) <= TOL[jnp.bfloat16]["out"]
+    finite = np.isfinite(np.asarray(lse_ref))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert rel_err(np.asarray(lse)[finite], np.asarray(lse_ref)[finite]) <= TOL[jnp.bfloat16]["out"]
+    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, interpret=True, **kw),
+                            argnums=(0, 1, 2)))(q, k, v)
+    # The reference differentiated in float32 from the same bf16 inputs.
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
+                        argnums=(0, 1, 2))(*f32)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
+        assert g.dtype == jnp.bfloat16, name
+        assert rel_err(g, g_ref) <= TOL[jnp.bfloat16]["grad"], name
+
+
+def test_no_compressed_block_yet():
+    """T < l: C = 0, no kernel launch; o = 0, lse = -inf, gradients zero and finite."""
+    q, k, v, do, dlse = make_inputs(2, 1, 6, 4, 2, 16, 8, 8, 4)
+    assert k.shape[1] == 0
+    o, lse = compressed_attention(q, k, v, cmp_block=8, cmp_stride=4, interpret=True)
+    assert o.shape == (1, 6, 4, 8) and np.all(np.asarray(o) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)))
+    dq, dk, dv = jax.grad(loss_fn(compressed_attention, do, dlse, cmp_block=8, cmp_stride=4,
+                                  interpret=True), argnums=(0, 1, 2))(q, k, v)
+    assert np.all(np.asarray(dq) == 0.0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_bad_inputs_raise_value_error():
+    q, k, v, _, _ = make_inputs(3, 1, 20, 4, 2, 16, 8, 8, 4)
+    with pytest.raises(ValueError, match="cmp_stride"):
+        compressed_attention(q, k, v, cmp_block=8, cmp_stride=0, interpret=True)
+    with pytest.raises(ValueError, match="multiple of the heads"):
+        compressed_attention(q[:, :, :3], k, v, cmp_block=8, cmp_stride=4, interpret=True)
+    with pytest.raises(ValueError, match="v_cmp"):
+        compressed_attention(q, k, v[:, :2], cmp_block=8, cmp_stride=4, interpret=True)
+    with pytest.raises(ValueError, match="k_cmp"):
+        compressed_attention(q, k[..., :8], v, cmp_block=8, cmp_stride=4, interpret=True)
+    with pytest.raises(ValueError, match="block_q"):
+        BlockSizes(block_q=24)
+
+
+def _has_gpu():
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_matches_reference(dtype):
+    case = (1, 1000, 16, 4, 64, 32, 32, 16)
+    B, T, H, G, d_k, d_v, l, d = case
+    q, k, v, do, dlse = make_inputs(4, *case, dtype=dtype)
+    kw = dict(cmp_block=l, cmp_stride=d)
+    o, lse = jax.jit(lambda q, k, v: compressed_attention(q, k, v, **kw))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    o_ref, lse_ref = compressed_attention_reference(*f32, **kw)
+    assert rel_err(o, o_ref) <= TOL[dtype]["out"]
+    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, **kw), argnums=(0, 1, 2)))(
+        q, k, v)
+    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
+                        argnums=(0, 1, 2))(*f32)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
+        assert rel_err(g, g_ref) <= TOL[dtype]["grad"], name

@@ -1,0 +1,184 @@
+"""Pallas selected attention against the plain-JAX reference beside it (and that reference
+against the float64 brute force), forward and gradients.
+
+CPU runs the kernels in interpret mode on small shapes; the `gpu` tests compile them for the GPU
+and skip without one. Tolerances (spec): relative L2 error, float32 <= 1e-5 outputs / 1e-4
+gradients, bfloat16 / float16 <= 1e-2, against a float32 reference on the same (rounded) inputs.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import bruteforce
+from pallas_kernels.selected_attention import (
+    BlockSizes,
+    random_block_idx,
+    selected_attention,
+    selected_attention_reference,
+)
+
+TOLERANCE = {  # dtype -> (outputs, gradients)
+    jnp.float32: (1e-5, 1e-4),
+    jnp.bfloat16: (1e-2, 1e-2),
+    jnp.float16: (1e-2, 1e-2),
+}
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def rel_err(actual, expected) -> float:
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    assert np.all(np.isfinite(actual)), "NaN or Inf in the kernel's result"
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def make_inputs(seed, B, T, H, G, d_k, d_v, n_sel, l_sel, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(keys[0], (B, T, H, d_k), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (B, T, G, d_k), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (B, T, G, d_v), jnp.float32).astype(dtype)
+    block_idx = random_block_idx(keys[3], B, T, G, n_sel, l_sel)
+    cotangent = jax.random.normal(keys[4], (B, T, H, d_v), jnp.float32)
+    return q, k, v, block_idx, cotangent
+
+
+def check_against_reference(q, k, v, block_idx, cotangent, l_sel, *, interpret,
+                            block_sizes=None, scale=None):
+    """Kernel forward and (dq, dk, dv) against the reference run in float32 on the same inputs."""
+    out_tol, grad_tol = TOLERANCE[q.dtype.type]
+
+    def kernel(q, k, v):
+        return selected_attention(q, k, v, block_idx, l_sel, scale, block_sizes=block_sizes,
+                                  interpret=interpret)
+
+    def reference(q, k, v):
+        return selected_attention_reference(q, k, v, block_idx, l_sel, scale)
+
+    o, pullback = jax.vjp(kernel, q, k, v)
+    assert o.shape == q.shape[:3] + v.shape[3:] and o.dtype == q.dtype
+    grads = pullback(cotangent.astype(o.dtype))
+    upcast = [x.astype(jnp.float32) for x in (q, k, v)]
+    o_ref, pullback_ref = jax.vjp(reference, *upcast)
+    grads_ref = pullback_ref(cotangent)
+    assert rel_err(o, o_ref) <= out_tol
+    for name, grad, grad_ref, primal in zip(("dq", "dk", "dv"), grads, grads_ref, (q, k, v)):
+        assert grad.shape == primal.shape and grad.dtype == primal.dtype, name
+        err = rel_err(grad, grad_ref)
+        assert err <= grad_tol, f"{name}: relative error {err:.2e} > {grad_tol:.0e}"
+
+
+# Every heads-per-group value, float32. T % l_sel != 0 everywhere, so the last block is partial;
+# early queries have fewer than n_sel eligible blocks, so -1 padding is exercised; dkv_chunk = 5
+# splits every block's query list into several work items (block 0's list holds all T queries).
+# The large h run with a shorter T to keep interpret mode fast.
+@pytest.mark.parametrize("h,B,G,T", [(1, 2, 2, 45), (2, 2, 2, 45), (4, 2, 2, 45), (8, 1, 2, 45),
+                                     (16, 1, 1, 37), (32, 1, 1, 21)])
+def test_float32_every_group_size(h, B, G, T):
+    inputs = make_inputs(h, B, T, h * G, G, 16, 8, 4, 16, jnp.float32)
+    check_against_reference(*inputs, 16, interpret=True, block_sizes=BlockSizes(dkv_chunk=5))
+
+
+# Half precision: bfloat16 at the smallest and the matrix-unit group size, float16 once.
+@pytest.mark.parametrize("dtype,h", [(jnp.bfloat16, 1), (jnp.bfloat16, 16), (jnp.float16, 4)])
+def test_half_precision(dtype, h):
+    T = 37 if h == 16 else 45
+    inputs = make_inputs(10 + h, 2 if h < 16 else 1, T, h * 2, 2, 16, 8, 4, 16, dtype)
+    check_against_reference(*inputs, 16, interpret=True, block_sizes=BlockSizes(dkv_chunk=9))
+
+
+def test_head_dims_not_powers_of_two_and_odd_block():
+    """d_k = 24 and d_v = 8 (the paper's 192/128 is d_k != d_v with d_k padded), a block size
+    that is not a power of two (l_sel = 12 loads 16-key tiles), an explicit scale, the default
+    work-item size, and more selected blocks than eligible ones."""
+    inputs = make_inputs(3, 2, 50, 4, 2, 24, 8, 5, 12, jnp.float32)
+    check_against_reference(*inputs, 12, interpret=True, scale=0.3)
+
+
+def test_reference_matches_bruteforce(x64):
+    """The reference (gather-based) against the float64 dense-mask brute force of tests/."""
+    q, k, v, block_idx, _ = make_inputs(4, 2, 45, 4, 2, 16, 8, 4, 16, jnp.float64)
+    expected = bruteforce.bf_selected_attention(np.asarray(q), np.asarray(k), np.asarray(v),
+                                                np.asarray(block_idx), 16)
+    got = selected_attention_reference(q, k, v, block_idx, 16)
+    assert rel_err(got, expected) <= 1e-12
+    chunked = selected_attention_reference(q, k, v, block_idx, 16, query_chunk=16)
+    assert rel_err(chunked, expected) <= 1e-12
+
+
+def test_random_block_idx_is_valid():
+    B, T, G, n_sel, l_sel = 2, 150, 3, 5, 16
+    block_idx = np.asarray(random_block_idx(jax.random.PRNGKey(5), B, T, G, n_sel, l_sel,
+                                            query_chunk=64))
+    assert block_idx.shape == (B, T, G, n_sel) and block_idx.dtype == np.int32
+    for t in range(T):
+        last = t // l_sel
+        n_eligible = min(n_sel, last + 1)
+        for row in block_idx[:, t].reshape(-1, n_sel):
+            chosen = row[row >= 0]
+            assert len(chosen) == n_eligible and np.all(row[n_eligible:] == -1)
+            assert np.all(np.diff(chosen) > 0) and chosen[-1] <= last
+            assert {0, last, max(last - 1, 0)} <= set(chosen.tolist())
+
+
+def test_xla_implementation_is_the_reference():
+    q, k, v, block_idx, _ = make_inputs(6, 1, 40, 4, 2, 16, 8, 4, 16, jnp.float32)
+    got = selected_attention(q, k, v, block_idx, 16, implementation="xla")
+    expected = selected_attention_reference(q, k, v, block_idx, 16)
+    assert rel_err(got, expected) == 0.0
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(block_idx_shape=(1, 40, 2)), "block_idx"),
+    (dict(k_heads=3), "multiple"),
+    (dict(block_size=0), "block_size"),
+    (dict(implementation="mosaic"), "implementation"),
+    (dict(k_dtype=jnp.bfloat16), "dtype"),
+    (dict(d_k_of_k=8), "d_k"),
+])
+def test_bad_arguments_raise(change, message):
+    q = jnp.zeros((1, 40, 4, 16))
+    k = jnp.zeros((1, 40, change.get("k_heads", 2), change.get("d_k_of_k", 16)),
+                  change.get("k_dtype", jnp.float32))
+    v = jnp.zeros((1, 40, change.get("k_heads", 2), 8))
+    block_idx = jnp.zeros(change.get("block_idx_shape", (1, 40, k.shape[2], 4)), jnp.int32)
+    with pytest.raises(ValueError, match=message):
+        selected_attention(q, k, v, block_idx, change.get("block_size", 16), interpret=True,
+                           implementation=change.get("implementation", "triton"))
+
+
+# --- GPU: the compiled Triton kernels -----------------------------------------------------------
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype,h,d_k,d_v,T", [
+    (jnp.bfloat16, 16, 192, 128, 1000),   # the paper's head dims, T % 64 != 0
+    (jnp.float32, 16, 128, 128, 700),
+    (jnp.bfloat16, 1, 64, 64, 600),
+    (jnp.float16, 32, 128, 64, 500),
+    (jnp.bfloat16, 4, 128, 128, 777),
+])
+def test_gpu_against_reference(dtype, h, d_k, d_v, T):
+    inputs = make_inputs(7, 2, T, 2 * h, 2, d_k, d_v, 16, 64, dtype)
+    check_against_reference(*inputs, 64, interpret=False,
+                            block_sizes=BlockSizes(dkv_chunk=256))
+
+
+@gpu
+@needs_gpu
+def test_gpu_gradients_are_deterministic():
+    """dk, dv come from a KV-block-major pass without atomics: bitwise equal run to run."""
+    q, k, v, block_idx, cotangent = make_inputs(8, 1, 2048, 64, 4, 128, 128, 16, 64,
+                                                jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        selected_attention(q, k, v, block_idx, 64).astype(jnp.float32) * cotangent),
+        argnums=(0, 1, 2)))
+    first = grad(q, k, v)
+    for _ in range(3):
+        again = grad(q, k, v)
+        for a, b in zip(first, again):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
