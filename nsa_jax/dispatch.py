@@ -41,6 +41,9 @@ class _Entry:
 
 
 _REGISTRY: dict[tuple[str, str], _Entry] = {}
+# Bumped by every registration and part of every static `jit` key below, so that a compiled
+# call never keeps running an implementation that has since been replaced.
+_generation = 0
 
 
 def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = False) -> None:
@@ -53,7 +56,9 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
         raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES}")
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend ({backend!r}) must be a non-empty str")
+    global _generation
     _REGISTRY[(branch, backend)] = _Entry(fn, packed)
+    _generation += 1
 
 
 def known_backends() -> tuple[str, ...]:
@@ -63,6 +68,8 @@ def known_backends() -> tuple[str, ...]:
 
 def backend_names(backend: Backend) -> tuple[str, ...]:
     """Validate `backend` (a name or a sequence of names) and return it as a tuple."""
+    if isinstance(backend, StaticBackend):
+        return tuple(backend[:-1])
     names = (backend,) if isinstance(backend, str) else tuple(backend)
     if not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"backend ({backend!r}) must be a name or a non-empty sequence of names")
@@ -77,7 +84,8 @@ def call(branch: str, backend: Backend, *args, segments=None,
          options: Optional[Mapping[str, Any]] = None, **kwargs):
     """Run `branch` on the first backend of `backend` that can handle the input."""
     reasons = []
-    for name in backend_names(backend):
+    names = backend_names(backend)
+    for name in names:
         entry = _REGISTRY.get((branch, name))
         if entry is None:
             reasons.append(f"{name!r} has no {branch}")
@@ -94,7 +102,7 @@ def call(branch: str, backend: Backend, *args, segments=None,
             return entry.fn(*args, **extra)
         except NotImplementedError as err:
             reasons.append(f"{name!r}: {err}")
-    raise NotImplementedError(f"no backend of {backend!r} can run {branch}: "
+    raise NotImplementedError(f"no backend of {list(names)} can run {branch}: "
                               + "; ".join(reasons))
 
 
@@ -118,10 +126,16 @@ def static_options(options: Optional[Mapping[str, Any]]) -> Optional[tuple]:
     return items
 
 
-def static_backend(backend: Backend) -> Union[str, tuple[str, ...]]:
-    """`backend` validated and hashable."""
-    names = backend_names(backend)
-    return backend if isinstance(backend, str) else names
+class StaticBackend(tuple):
+    """A validated backend choice, hashable (a `jax.jit` static argument) and stamped with the
+    registry generation. Pass it wherever a `Backend` goes."""
+
+
+def static_backend(backend: Backend) -> StaticBackend:
+    """`backend` validated, as `(names..., generation)`."""
+    if isinstance(backend, StaticBackend):
+        return backend
+    return StaticBackend((*backend_names(backend), _generation))
 
 
 @functools.partial(jax.jit, static_argnames=("branch", "backend", "options", "static_args",

@@ -3,10 +3,11 @@
 Every function takes BTHD tensors (`[B, T, heads, dim]`), computes scores and softmax in float32
 (float64 when the inputs are float64, so tests and `gradcheck` can run exactly) and returns the
 dtype of `q`. Queries are processed in chunks sized so that the largest intermediate stays under
-`ELEMENT_BUDGET` elements: no `[T, T]` float mask is ever built, and 16k tokens fit on one GPU.
+`ELEMENT_BUDGET` elements, and under autograd each chunk is checkpointed: no `[T, T]` float mask
+is ever built, and 16k tokens (paper sizes, forward and backward) fit on one GPU.
 
-Each branch is written twice over: a `*_rows` helper that handles queries at arbitrary positions
-(used as-is by `decode.py` for one query), and the public function that loops over query chunks.
+Each branch has two levels: a `*_rows` helper for queries at arbitrary positions (used as-is by
+`decode.py` for one query), and the public function that loops over query chunks.
 """
 from __future__ import annotations
 

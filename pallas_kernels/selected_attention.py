@@ -231,7 +231,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     queries_per_step = rows // h
     # Row r of a step is (query slot r // h, head g*h + r % h); rows past h*queries_per_step idle.
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    slot, head = r // h, r % h
+    slot, head = lax.div(r, h), lax.rem(r, h)
     key_pos = start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
     key_in_block = lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < l_sel
 
@@ -254,7 +254,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
         dk = dk + _dot(ds.astype(q.dtype), q)                      # [tile, dk_pad]
         return dk, dv
 
-    n_steps = (hi - lo + queries_per_step - 1) // queries_per_step
+    n_steps = lax.div(hi - lo + queries_per_step - 1, queries_per_step)
     dk, dv = lax.fori_loop(0, n_steps, step, (jnp.zeros(dk_ref.shape, jnp.float32),
                                               jnp.zeros(dv_ref.shape, jnp.float32)))
     dk_ref[...] = dk * scale
@@ -551,7 +551,9 @@ def selected_attention_reference(q, k, v, block_idx, block_size: int, scale: flo
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     batch = jnp.arange(B)[:, None, None, None]
     group = jnp.arange(G)[None, None, :, None]
-    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+    # float32 softmax (float64 inputs stay float64, for the brute-force comparison in tests).
+    work = jnp.promote_types(q.dtype, jnp.float32)
+    k32, v32 = k.astype(work), v.astype(work)
 
     def attend(q_c, idx_c, t_c):  # [B, C, H, d_k], [B, C, G, n_sel], [C]
         C = q_c.shape[1]
@@ -560,7 +562,7 @@ def selected_attention_reference(q, k, v, block_idx, block_size: int, scale: flo
         pos = jnp.clip(pos, 0, T - 1).reshape(B, C, G, n_sel * l_sel)
         keep = keep.reshape(B, C, G, 1, n_sel * l_sel)
         k_c, v_c = k32[batch, pos, group], v32[batch, pos, group]         # [B, C, G, S, d]
-        q_c = q_c.reshape(B, C, G, h, geo.d_k).astype(jnp.float32)
+        q_c = q_c.reshape(B, C, G, h, geo.d_k).astype(work)
         logits = jnp.einsum("bcghd,bcgsd->bcghs", q_c, k_c,
                             precision=lax.Precision.HIGHEST) * scale
         logits = jnp.where(keep, logits, -jnp.inf)

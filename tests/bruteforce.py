@@ -28,6 +28,8 @@ def _masked_attention(q, k, v, mask, scale):
 
     Rows without any allowed key get p = 0 and o = 0."""
     q, k, v = _f64(q), _f64(k), _f64(v)
+    if k.shape[1] == 0:  # no keys at all (no compressed block yet): every row is empty
+        return np.zeros(q.shape[:3] + (v.shape[-1],)), np.zeros(q.shape[:3] + (0,))
     h = q.shape[2] // k.shape[2]
     k = np.repeat(k, h, axis=2)
     v = np.repeat(v, h, axis=2)

@@ -87,3 +87,13 @@ def test_bruteforce_selection_forced_and_padded():
         row = block_idx[0, t, 0]
         assert list(row[: last + 1]) == list(range(last + 1))  # at most 3 eligible blocks <= n_sel
         assert np.all(row[last + 1:] == -1)
+
+
+def test_bruteforce_handles_no_compressed_block():
+    cfg = NSAConfig.tiny()
+    rng = np.random.default_rng(3)
+    q = rng.normal(size=(1, 5, 4, 16))
+    k_cmp, v_cmp = np.zeros((1, 0, 2, 16)), np.zeros((1, 0, 2, 8))
+    o, p = bf_compressed_attention(q, k_cmp, v_cmp, cfg)
+    assert o.shape == (1, 5, 4, 8) and np.all(o == 0) and p.shape == (1, 5, 4, 0)
+    assert np.all(bf_select_blocks(q, k_cmp, cfg)[0, :, :, 0] == 0)

@@ -13,22 +13,6 @@ from nsa_torch_ref import NSAAttention, dispatch, reference
 RTOL = 1e-10  # relative error allowed against the float64 brute force
 
 
-@pytest.fixture(autouse=True)
-def bruteforce_without_empty_reduction(monkeypatch):
-    """Work around a brute-force bug: `bf_compressed_attention` takes a max over an empty axis
-    when there is no compressed block (T < l); `bf_nsa_layer` calls it through the module
-    global, so an empty-safe wrapper fixes the whole layer."""
-    original = bruteforce.bf_compressed_attention
-
-    def bf_compressed_attention(q, k_cmp, v_cmp, cfg, scale=None):
-        if k_cmp.shape[1] > 0:
-            return original(q, k_cmp, v_cmp, cfg, scale)
-        B, T, H, _ = q.shape
-        return np.zeros((B, T, H, v_cmp.shape[-1])), np.zeros((B, T, H, 0))
-
-    monkeypatch.setattr(bruteforce, "bf_compressed_attention", bf_compressed_attention)
-
-
 def rel_err(out, ref) -> float:
     out = out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
     assert np.isfinite(out).all(), "non-finite output"

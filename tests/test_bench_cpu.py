@@ -1,0 +1,280 @@
+"""CPU smoke tests of the benchmark scripts and the one-shot runner (tiny shapes, no timing claims).
+
+They check what the scripts write (CSV columns, statuses, PNG, summaries), that a row which needs
+a GPU says "skipped" instead of crashing, and that the decode breakdown's branch-only step is the
+same computation as nsa_jax's decode_step with the gates forced to that branch.
+"""
+import csv
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+
+from bench import bench_decode, bench_prefill, common, summarize_decode_csv
+from nsa_common import NSAConfig, decode_read_bound
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL = 1e-5  # float32 decode steps compared with each other
+
+TINY_NSA = ["--l", "8", "--d", "4", "--l_sel", "16", "--n_sel", "4", "--w", "16", "--dk", "16",
+            "--dv", "16", "--dtype", "float32", "--device", "cpu", "--no_progress"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _read(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def _is_png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == PNG_MAGIC and os.path.getsize(path) > 1000
+
+
+@pytest.fixture
+def cpu_env(monkeypatch):
+    # setup_device writes JAX_PLATFORMS; monkeypatch restores it afterwards.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("COMMIT", "testcommit")
+
+
+def test_prefill_cpu_smoke(tmp_path, cpu_env, capsys):
+    out = tmp_path / "prefill"
+    rows = "nsa_jax_xla,nsa_jax_pallas,fa3_full,xla_full,projections"
+    code = bench_prefill.main(TINY_NSA + ["--S_list", "32,64", "--H", "4", "--G", "2",
+                                          "--d_model", "32", "--rows", rows, "--iters", "2",
+                                          "--warmup", "1", "--repeats", "2", "--rotate", "2",
+                                          "--isolate", "none", "--out", str(out)])
+    assert code == 0
+    columns, records = _read(out / "prefill.csv")
+    assert columns == bench_prefill.COLUMNS
+    by = {(r["row"], int(r["S"]), r["pass"]): r for r in records}
+    assert set(by) == {(row, S, p) for row in rows.split(",") for S in (32, 64)
+                       for p in bench_prefill.PASSES}
+    for S in (32, 64):
+        for p in bench_prefill.PASSES:
+            for row in ("nsa_jax_xla", "xla_full", "projections"):
+                r = by[(row, S, p)]
+                assert r["status"] == "ok", r
+                assert float(r["ms"]) > 0 and float(r["ms_min"]) <= float(r["ms"])
+            # The baseline's speed-up over itself is 1; the NSA row names its baseline.
+            assert float(by[("xla_full", S, p)]["speedup"]) == pytest.approx(1.0)
+            assert by[("nsa_jax_xla", S, p)]["baseline"] == "xla_full"
+            assert by[("projections", S, p)]["speedup"] == ""
+            # GPU-only rows are recorded as skipped with a reason, not crashes.
+            for row in ("nsa_jax_pallas", "fa3_full"):
+                assert by[(row, S, p)]["status"] == "skipped"
+                assert by[(row, S, p)]["note"].startswith("skipped: ")
+    assert _is_png(out / "prefill.png")
+    env = json.loads((out / "prefill_env.json").read_text())
+    assert env["commit"] == "testcommit" and "versions" in env
+    # The summary table is printed last: its header, a rule, then one line per (row, S).
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-12].split()[:4] == ["row", "S", "fwd_ms", "fwd_bwd_ms"]
+    assert [line.split()[0] for line in lines[-10:]] == [
+        row for row in bench_prefill.ROWS if row in rows.split(",") for _ in (32, 64)]
+
+
+def test_prefill_isolated_row_and_oom_propagation(tmp_path, cpu_env):
+    """--isolate row runs a row in a subprocess; an OOM at one S marks larger S without running."""
+    out = tmp_path / "iso"
+    code = bench_prefill.main(TINY_NSA + ["--S_list", "32", "--H", "4", "--G", "2",
+                                          "--rows", "xla_full", "--iters", "1", "--warmup", "0",
+                                          "--repeats", "1", "--out", str(out)])
+    assert code == 0
+    _, records = _read(out / "prefill.csv")
+    assert [r["status"] for r in records] == ["ok", "ok"]
+
+    args = bench_prefill.parse_args(TINY_NSA + ["--S_list", "32,64", "--H", "4", "--G", "2"])
+    args.device_label = "cpu"
+    calls = []
+
+    def fake_runner(a, S, row):
+        calls.append(S)
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+
+    original = bench_prefill.ROW_RUNNERS["xla_full"]
+    bench_prefill.ROW_RUNNERS["xla_full"] = fake_runner
+    try:
+        records = bench_prefill.run_row(args, "xla_full")
+    finally:
+        bench_prefill.ROW_RUNNERS["xla_full"] = original
+    assert calls == [32]
+    assert [r["status"] for r in records] == ["oom"] * 4
+    assert records[-1]["note"] == "not run: oom at S=32"
+
+
+def test_prefill_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rows"):
+        bench_prefill.parse_args(["--rows", "nsa_jax_xla,warp_drive", "--device", "cpu"])
+    with pytest.raises(ValueError, match="S_list"):
+        bench_prefill.parse_args(["--S_list", "8k,abc", "--device", "cpu"])
+    with pytest.raises(ValueError, match="n_sel"):
+        bench_prefill.parse_args(TINY_NSA + ["--n_sel", "2"])
+
+
+def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
+    csv_path = tmp_path / "decode" / "decode.csv"
+    S = 40
+    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--dim", "32",
+                                         "--heads", "4", "--groups", "2", "--iters", "2",
+                                         "--warmup", "1", "--repeats", "1", "--rotate", "2",
+                                         "--full_impls", "xla,fa3", "--csv", str(csv_path)])
+    assert code == 0
+    columns, records = _read(csv_path)
+    assert columns == bench_decode.COLUMNS
+    by = {(r["row"], r["mode"]): r for r in records}
+    assert set(by) == {("nsa_jax", m) for m in ("full", "cmp", "sel", "win", "base")} | {
+        ("full_xla", "full"), ("full_fa3", "full")}
+    full = by[("nsa_jax", "full")]
+    assert full["status"] == "ok" and float(full["ms"]) > 0
+    cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=16, d_v=16, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=4, window=16)
+    assert int(full["reads_formula"]) == decode_read_bound(cfg, S)
+    reads = {b: int(full[f"reads_{b}"]) for b in ("cmp", "sel", "win")}
+    assert reads["cmp"] == (S + 1 - 8) // 4 + 1 and reads["win"] == 16
+    assert int(full["reads_actual"]) == sum(reads.values()) <= int(full["reads_formula"])
+    assert int(full["reads_full"]) == S + 1
+    for mode in ("cmp", "sel", "win", "base"):
+        assert by[("nsa_jax", mode)]["status"] == "ok"
+        assert float(by[("nsa_jax", mode)]["share_of_step"]) > 0
+    assert by[("full_xla", "full")]["status"] == "ok"
+    assert by[("full_fa3", "full")]["status"] == "skipped"
+    assert full["baseline"] == "full_xla"
+    assert float(full["speedup_vs_full"]) == pytest.approx(
+        float(by[("full_xla", "full")]["ms"]) / float(full["ms"]), rel=1e-3)
+    assert _is_png(tmp_path / "decode" / "decode.png")
+    assert (tmp_path / "decode" / "decode_summary.txt").exists()
+    assert "speedup" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("branch", ["cmp", "sel", "win"])
+def test_branch_only_step_is_decode_step_with_forced_gates(branch):
+    """The breakdown's branch-only step computes what decode_step computes when the gates are
+    forced to that branch: the same output and the same updated cache."""
+    import jax
+    import nsa_jax
+
+    cfg = NSAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=3, window=12)
+    B, S, max_len = 2, 45, 64
+    params = bench_decode.force_gates(nsa_jax.init_params(jax.random.PRNGKey(0), cfg), cfg,
+                                      branch)
+    cache = bench_decode.random_cache(nsa_jax.init_cache(cfg, B, max_len), S,
+                                      jax.random.PRNGKey(1))
+    assert int(cache.pos) == S
+    x_t = jax.random.normal(jax.random.PRNGKey(2), (B, 1, cfg.d_model))
+    y_ref, cache_ref, _ = nsa_jax.decode_step(params, x_t, cfg, cache)
+    y, cache_new = jax.jit(bench_decode.branch_only_step(branch), static_argnums=2)(
+        params, x_t, cfg, cache)
+    err = np.linalg.norm(np.asarray(y) - np.asarray(y_ref)) / np.linalg.norm(np.asarray(y_ref))
+    assert err <= RTOL, (branch, err)
+    for got, want in zip(jax.tree_util.tree_leaves(cache_new),
+                         jax.tree_util.tree_leaves(cache_ref)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-6)
+    # A different branch's step is a different output (the gates really select).
+    other = {"cmp": "win", "sel": "cmp", "win": "sel"}[branch]
+    y_other, _ = bench_decode.branch_only_step(other)(params, x_t, cfg, cache)
+    assert np.linalg.norm(np.asarray(y_other) - np.asarray(y_ref)) > 1e-3 * np.linalg.norm(
+        np.asarray(y_ref))
+
+
+def test_force_gates_rejects_unknown_branch():
+    import jax
+    import nsa_jax
+
+    cfg = NSAConfig.tiny()
+    params = nsa_jax.init_params(jax.random.PRNGKey(0), cfg)
+    with pytest.raises(ValueError, match="branch_force_mode"):
+        bench_decode.force_gates(params, cfg, "all")
+
+
+def test_summarize_decode_csv(tmp_path, capsys):
+    rows = [
+        dict(row="nsa_jax", mode="full", B=32, S=65536, status="ok", ms=2.0, reads_actual=5600,
+             reads_formula=5631, speedup_vs_full=8.5, baseline="full_fa3"),
+        dict(row="nsa_jax", mode="cmp", B=32, S=65536, status="ok", ms=0.5, share_of_step=0.25),
+        dict(row="nsa_jax", mode="sel", B=32, S=65536, status="ok", ms=1.0, share_of_step=0.5),
+        dict(row="nsa_jax", mode="win", B=32, S=65536, status="ok", ms=0.4, share_of_step=0.2),
+        dict(row="nsa_jax", mode="base", B=32, S=65536, status="ok", ms=0.3, share_of_step=0.15),
+        dict(row="full_fa3", mode="full", B=32, S=65536, status="ok", ms=17.0),
+        dict(row="full_cudnn", mode="full", B=32, S=65536, status="oom"),
+    ]
+    path = tmp_path / "d.csv"
+    common.write_csv(str(path), rows, bench_decode.COLUMNS)
+    assert summarize_decode_csv.main([str(path)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == summarize_decode_csv.HEADER
+    cells = lines[2].split()
+    assert cells[:9] == ["32", "65536", "2.00", "0.250", "0.500", "0.200", "0.300", "5600",
+                         "5631"]
+    assert cells[9:] == ["65537", "17.00", "full_fa3", "8.50", "ok/oom"]
+    with pytest.raises(SystemExit):
+        summarize_decode_csv.main([str(tmp_path / "missing.csv")])
+
+
+def test_common_helpers(tmp_path):
+    assert common.parse_int_list("8k, 16k,100", "--S_list") == [8192, 16384, 100]
+    for bad in ("", "8k,x", "0"):
+        with pytest.raises(ValueError, match="--S_list"):
+            common.parse_int_list(bad, "--S_list")
+    assert common.classify_exception(RuntimeError("RESOURCE_EXHAUSTED: out of memory")) == "oom"
+    assert common.classify_exception(ValueError("bad shape")) == "error"
+    with pytest.raises(ValueError, match="columns"):
+        common.write_csv(str(tmp_path / "x.csv"), [{"a": 1, "b": 2}], ["a"])
+    with pytest.raises(ValueError, match="iters"):
+        common.time_jax(lambda i: i, iters=0, warmup=0)
+
+    import jax.numpy as jnp
+
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        return jnp.ones(4) * i
+
+    timing = common.time_jax(step, iters=3, warmup=2, repeats=4)
+    assert calls == list(range(2 + 3 * 4)) and timing.samples == 4
+    assert 0 < timing.ms_min <= timing.ms <= timing.ms_max
+    timing = common.time_torch(lambda i: calls.append(i), iters=2, warmup=1, repeats=3,
+                               device="cpu")
+    assert timing.samples == 6 and timing.ms >= 0
+
+
+def _fake_python(tmp_path):
+    """A python that fails the sanity script (exit 3) and runs everything else for real."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\ncase "$1" in scripts/gpu_sanity.py) echo boom; exit 3;; '
+                       f'esac\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_runner_records_failures_and_tars(tmp_path):
+    art = tmp_path / "art"
+    tar_path = tmp_path / "out" / "runner.tar.gz"
+    env = dict(os.environ, ARTIFACTS_DIR=str(art), RUNNER_TAR=str(tar_path), COMMIT="abc123",
+               PYTHON=_fake_python(tmp_path), RUNNER_STEPS="sanity,summaries")
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "runner_oneshot.sh")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((art / "summary.json").read_text())
+    assert summary["commit"] == "abc123"
+    steps = {s["step"]: s for s in summary["steps"]}
+    assert set(steps) == {"sanity", "summaries"}
+    assert steps["sanity"]["status"] == "failed" and steps["sanity"]["rc"] == "3"
+    assert steps["summaries"]["status"] == "ok"
+    assert "boom" in (art / "logs" / "sanity.log").read_text()
+    assert "sanity       failed" in (art / "summary.txt").read_text()
+    with tarfile.open(tar_path) as tar:
+        names = tar.getnames()
+    assert "art/summary.txt" in names and "art/logs/sanity.log" in names
+
+
+def test_runner_script_syntax():
+    subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", "runner_oneshot.sh")], check=True)
