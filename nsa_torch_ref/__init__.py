@@ -1,7 +1,9 @@
 """PyTorch reference implementation of Native Sparse Attention (shared/NSA_SPEC.md).
 
 `NSAAttention` is the layer; the kernel-level functions below are the reference ("packed SDPA /
-gather") path of its branches, which `dispatch` registers as backend "sdpa".
+gather") path of its branches, which `dispatch` registers as backend "sdpa". The fast paths
+register as "triton" (selection), "fa2" (window, compressed) and "auto" (the runtime toggles of
+`routing`, docs/TORCH_RUNTIME.md); their kernels are imported only when first called.
 """
 from nsa_common import NSAConfig
 from nsa_torch_ref import dispatch
@@ -15,6 +17,9 @@ from nsa_torch_ref.reference import (
     selected_attention,
     sliding_window_attention,
 )
+from nsa_torch_ref.routing import register_fast_paths
+
+register_fast_paths()
 
 __all__ = [
     "NSAAttention",

@@ -282,7 +282,8 @@ def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     q: [B, T, H, d_k]; k: [B, T, G, d_k]; v: [B, T, G, d_v]; cu_seqlens: optional int [N + 1]
     (B = 1) packing sequences, each attending only within itself. Returns [B, T, H, d_v] in q's
-    dtype. Falls back to the reference where no kernel applies (module docstring).
+    dtype; the kernels see k and v cast to q's dtype. Falls back to the reference where no
+    kernel applies (module docstring).
     """
     _check_gqa(q, k, v, "k", "v")
     if k.shape[1] != q.shape[1]:
@@ -298,7 +299,8 @@ def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     kernel, reason = kernel_choice(q, head_dim)
     out = None
     if kernel != "reference" and T > 0:
-        qp, kp, vp = (_pad_dim(x, head_dim) for x in (q, k, v))
+        # One dtype for the kernel: under autocast k/v may come out float32 beside a bf16 q.
+        qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q, k, v))
         out = _attend(kernel, qp, kp, vp, segments, scale, window, _variant(len(segments), config))
         if out is None:
             reason = f"{kernel} kernel cannot take this call (window {window})"
@@ -353,7 +355,8 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
     q: [B, T, H, d_k]; k_cmp: [B, C, G, d_k]; v_cmp: [B, C, G, d_v] with C =
     num_cmp_blocks(cfg, T). With cu_seqlens (int [N + 1], B = 1) k_cmp holds the blocks of each
     sequence one after the other: [1, sum_n num_cmp_blocks(cfg, T_n), G, d]. Returns
-    o_cmp [B, T, H, d_v] in q's dtype, 0 on rows with no admissible block. `return_lse=True`
+    o_cmp [B, T, H, d_v] in q's dtype (the kernels see k_cmp, v_cmp cast to it), 0 on rows with
+    no admissible block. `return_lse=True`
     runs the reference (the kernels' lse layouts differ across flash_attn and torch versions;
     the layer does not ask for it).
     """
@@ -361,7 +364,7 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
         raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
     _check_gqa(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
     B, T, H, d_k = q.shape
-    G, d_v = k_cmp.shape[2], v_cmp.shape[3]
+    d_v = v_cmp.shape[3]
     scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
     segments = _segments(cu_seqlens, B, T)
     index, valid, counts = fold_index(cfg, segments, q.device)
@@ -385,7 +388,9 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
         # [B, sumC*d, H, dk] -> [B, sumC, H*d, dk]: head*d + r is the folded head.
         q_fold = q[:, index.clamp(max=T - 1)].reshape(B, n_rows, d, H, d_k)
         q_fold = q_fold.permute(0, 1, 3, 2, 4).reshape(B, n_rows, H * d, d_k)
-        qp, kp, vp = (_pad_dim(x, head_dim) for x in (q_fold, k_cmp, v_cmp))
+        # One dtype for the kernel: under autocast the compressor's bias add makes k_cmp and
+        # v_cmp float32 beside a bf16 q.
+        qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q_fold, k_cmp, v_cmp))
         fold_segments, offset = [], 0
         for count in counts:
             fold_segments.append((offset, count))

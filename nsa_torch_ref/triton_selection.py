@@ -344,9 +344,11 @@ def _validate(q, k, v, block_idx, block_size, cu_seqlens):
         raise ValueError(f"block_idx must be an integer tensor, got {block_idx.dtype}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size ({block_size!r}) must be a positive int")
-    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among {_SUPPORTED_DTYPES}, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype ({q.dtype}) must be one of {_SUPPORTED_DTYPES}")
+    for name, tensor in (("k", k), ("v", v)):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor, got {tensor.dtype}")
     devices = {q.device, k.device, v.device, block_idx.device}
     if len(devices) != 1:
         raise ValueError(f"q, k, v, block_idx must be on one device, got {sorted(map(str, devices))}")
@@ -448,7 +450,7 @@ def _forward(q, k, v, block_idx, block_size, scale, seq_start):
 
 def _backward(q, k, v, block_idx, block_size, scale, o, lse, do, segments, cu_seqlens):
     B, T, H, d_k = q.shape
-    G, d_v = k.shape[2], v.shape[3]
+    G = k.shape[2]
     seq_start, blk_start, blk_end, blk_offset = segments
     sizes, meta = _common(q, k, v, block_size)
     do = do.contiguous()
@@ -510,15 +512,18 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Selected attention with the Triton kernels (differentiable in q, k, v).
 
-    q: [B, T, H, d_k]; k: [B, T, G, d_k]; v: [B, T, G, d_v]; block_idx: integer
-    [B, T, G, n_sel], ascending with -1 padding (int32 after conversion). Query t attends the
+    q: [B, T, H, d_k]; k: [B, T, G, d_k]; v: [B, T, G, d_v] (cast to q's dtype: float16,
+    bfloat16 or float32); block_idx: integer [B, T, G, n_sel], ascending with -1 padding
+    (int32 after conversion). Query t attends the
     tokens <= t of its listed blocks. `cu_seqlens` (int [N + 1], B = 1) packs sequences: block
     indices are then local to each sequence. Returns [B, T, H, d_v] in q's dtype.
     """
     _validate(q, k, v, block_idx, block_size, cu_seqlens)
     _check_launchable(q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # One dtype for the kernel (autocast can hand over k, v in another); autograd casts the
+    # gradients back.
+    q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     block_idx = block_idx.to(torch.int32).contiguous()
     return SelectedAttentionTriton.apply(q, k, v, block_idx, block_size, scale, cu_seqlens)
 
@@ -530,5 +535,5 @@ def selected_attention_triton_with_lse(q, k, v, block_idx, block_size, scale=Non
     _check_launchable(q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     segments = _segments(q.shape[1], block_size, cu_seqlens, q.device)
-    return _forward(q.contiguous(), k.contiguous(), v.contiguous(),
+    return _forward(q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(),
                     block_idx.to(torch.int32).contiguous(), block_size, scale, segments[0])

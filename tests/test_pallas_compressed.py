@@ -30,23 +30,26 @@ def rel_err(x, ref):
 
 
 def make_inputs(seed, B, T, H, G, d_k, d_v, l, d, dtype=jnp.float32):
+    """Random q, k_cmp, v_cmp (NumPy's generator: no per-shape compile) and output cotangents."""
     C = max(0, (T - l) // d + 1)
-    kq, kk, kv, ko, kl = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(kq, (B, T, H, d_k), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (B, C, G, d_k), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (B, C, G, d_v), jnp.float32).astype(dtype)
-    do = jax.random.normal(ko, (B, T, H, d_v), jnp.float32)
-    dlse = jax.random.normal(kl, (B, T, H), jnp.float32)
-    return q, k, v, do, dlse
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    q, k, v = (jnp.asarray(normal(*shape), dtype) for shape in
+               ((B, T, H, d_k), (B, C, G, d_k), (B, C, G, d_v)))
+    return q, k, v, jnp.asarray(normal(B, T, H, d_v)), jnp.asarray(normal(B, T, H))
 
 
-def loss_fn(attention, do, dlse, **kw):
-    """A scalar that pulls on both outputs, so the lse cotangent path is checked too."""
+def outputs_and_grads(attention, q, k, v, do, dlse, **kw):
+    """(o, lse, (dq, dk, dv)) in one jitted call, with a loss that pulls on both outputs so that
+    the lse cotangent path is checked too."""
     def loss(q, k, v):
         o, lse = attention(q, k, v, **kw)
-        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(lse * dlse)
-    return loss
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(finite_lse * dlse), (o, lse)
+
+    (_, (o, lse)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v)
+    return o, lse, grads
 
 
 # (B, T, H, G, d_k, d_v, l, d): h = 4, 1, 16, 3; T not a multiple of d, of l, or of the tiles;
@@ -64,10 +67,10 @@ def test_forward_and_gradients_float32(case):
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(0, *case)
     kw = dict(cmp_block=l, cmp_stride=d)
-    kernel = jax.jit(lambda q, k, v: compressed_attention(q, k, v, block_sizes=SMALL,
-                                                          interpret=True, **kw))
-    o, lse = kernel(q, k, v)
-    o_ref, lse_ref = compressed_attention_reference(q, k, v, **kw)
+    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse,
+                                     block_sizes=SMALL, interpret=True, **kw)
+    o_ref, lse_ref, grad_ref = outputs_and_grads(compressed_attention_reference, q, k, v, do,
+                                                 dlse, **kw)
     assert o.shape == (B, T, H, d_v) and o.dtype == q.dtype
     assert lse.shape == (B, T, H) and lse.dtype == jnp.float32
     assert rel_err(o, o_ref) <= TOL[jnp.float32]["out"]
@@ -84,10 +87,6 @@ def test_forward_and_gradients_float32(case):
     o_bf, _ = bf.bf_compressed_attention(np.asarray(q), np.asarray(k), np.asarray(v), cfg)
     assert rel_err(o, o_bf) <= TOL[jnp.float32]["out"]
 
-    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, block_sizes=SMALL,
-                                    interpret=True, **kw), argnums=(0, 1, 2)))(q, k, v)
-    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
-                        argnums=(0, 1, 2))(q, k, v)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
         assert g.shape == g_ref.shape and g.dtype == g_ref.dtype, name
         assert rel_err(g, g_ref) <= TOL[jnp.float32]["grad"], name
@@ -96,23 +95,21 @@ def test_forward_and_gradients_float32(case):
 
 
 def test_bfloat16_default_tiles_and_custom_scale():
-    case = (1, 70, 8, 2, 32, 16, 8, 4)
+    case = (1, 40, 8, 2, 32, 16, 8, 4)
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(1, *case, dtype=jnp.bfloat16)
     kw = dict(cmp_block=l, cmp_stride=d, scale=0.3)
-    o, lse = jax.jit(lambda q, k, v: compressed_attention(q, k, v, interpret=True, **kw))(q, k, v)
-    o_ref, lse_ref = compressed_attention_reference(q, k, v, **kw)
+    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse, interpret=True,
+                                     **kw)
+    # The reference in float32 from the same bf16 inputs.
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    o_ref, lse_ref, grad_ref = outputs_and_grads(compressed_attention_reference, *f32, do, dlse,
+                                                 **kw)
     assert o.dtype == jnp.bfloat16
     assert rel_err(o, o_ref) <= TOL[jnp.bfloat16]["out"]
     finite = np.isfinite(np.asarray(lse_ref))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
     assert rel_err(np.asarray(lse)[finite], np.asarray(lse_ref)[finite]) <= TOL[jnp.bfloat16]["out"]
-    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, interpret=True, **kw),
-                            argnums=(0, 1, 2)))(q, k, v)
-    # The reference differentiated in float32 from the same bf16 inputs.
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
-                        argnums=(0, 1, 2))(*f32)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
         assert g.dtype == jnp.bfloat16, name
         assert rel_err(g, g_ref) <= TOL[jnp.bfloat16]["grad"], name
@@ -122,11 +119,10 @@ def test_no_compressed_block_yet():
     """T < l: C = 0, no kernel launch; o = 0, lse = -inf, gradients zero and finite."""
     q, k, v, do, dlse = make_inputs(2, 1, 6, 4, 2, 16, 8, 8, 4)
     assert k.shape[1] == 0
-    o, lse = compressed_attention(q, k, v, cmp_block=8, cmp_stride=4, interpret=True)
+    o, lse, (dq, dk, dv) = outputs_and_grads(compressed_attention, q, k, v, do, dlse,
+                                             cmp_block=8, cmp_stride=4, interpret=True)
     assert o.shape == (1, 6, 4, 8) and np.all(np.asarray(o) == 0.0)
     assert np.all(np.isneginf(np.asarray(lse)))
-    dq, dk, dv = jax.grad(loss_fn(compressed_attention, do, dlse, cmp_block=8, cmp_stride=4,
-                                  interpret=True), argnums=(0, 1, 2))(q, k, v)
     assert np.all(np.asarray(dq) == 0.0) and dk.shape == k.shape and dv.shape == v.shape
 
 
@@ -159,13 +155,10 @@ def test_gpu_matches_reference(dtype):
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(4, *case, dtype=dtype)
     kw = dict(cmp_block=l, cmp_stride=d)
-    o, lse = jax.jit(lambda q, k, v: compressed_attention(q, k, v, **kw))(q, k, v)
+    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse, **kw)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    o_ref, lse_ref = compressed_attention_reference(*f32, **kw)
+    o_ref, lse_ref, grad_ref = outputs_and_grads(compressed_attention_reference, *f32, do, dlse,
+                                                 **kw)
     assert rel_err(o, o_ref) <= TOL[dtype]["out"]
-    grad = jax.jit(jax.grad(loss_fn(compressed_attention, do, dlse, **kw), argnums=(0, 1, 2)))(
-        q, k, v)
-    grad_ref = jax.grad(loss_fn(compressed_attention_reference, do, dlse, **kw),
-                        argnums=(0, 1, 2))(*f32)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grad, grad_ref):
         assert rel_err(g, g_ref) <= TOL[dtype]["grad"], name

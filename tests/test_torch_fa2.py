@@ -63,6 +63,7 @@ class FakeFlashAttn(types.SimpleNamespace):
 
     @staticmethod
     def _check(q, k, v):
+        assert q.dtype == k.dtype == v.dtype, "FA-2 needs one dtype"
         assert q.shape[-1] == k.shape[-1] == v.shape[-1], "FA-2 needs one head dim"
         assert q.shape[-1] % 8 == 0, "FA-2 head dim must be a multiple of 8"
 
@@ -387,3 +388,16 @@ def test_fold_index_layout():
     assert counts == [2, 0, 1]
     assert index.tolist() == [7, 8, 9, 10, 11, 12, 13, 14, 24, 25, 26, 27]
     assert valid.tolist() == [True] * 7 + [False] + [True] + [False] * 3
+
+
+def test_mixed_dtypes_reach_the_kernel_as_one(fake_flash):
+    # Under autocast the compressor's bias add leaves k_cmp/v_cmp float32 beside a bf16 q; here
+    # float64 beside float32 plays that part (the fake kernel asserts a single dtype).
+    q, k, v = _qkv(1, 22, seed=6)
+    k_cmp, v_cmp = _packed_cmp(k.double(), v.double(), CFG, [0, 22])
+    out = fa2.compressed_attention_fa2(q, k_cmp, v_cmp, CFG)
+    assert out.dtype == q.dtype
+    assert rel_err(out, bf_cmp(q, k_cmp, v_cmp, CFG)) < TOL
+    out = fa2.sliding_window_attention_fa2(q, k.double(), v.double(), 5)
+    assert out.dtype == q.dtype
+    assert rel_err(out, bf_sliding_window_attention(q, k, v, 5)) < TOL

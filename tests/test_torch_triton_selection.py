@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -151,6 +150,20 @@ def test_half_precision(dtype):
     for grad, ref_grad in zip(grads, ref_grads):
         assert grad.dtype == dtype
         assert rel_err(grad, ref_grad) < TOL_16
+
+
+def test_key_value_dtype_follows_q():
+    # Autocast can hand over k, v in another dtype than q: they are cast to q's, and their
+    # gradients come back in their own dtype.
+    q, k, v = make_inputs(1, 6, 2, 1, 8, 8, seed=21)
+    idx = random_block_idx(1, 6, 1, 2, 2, seed=21)
+    q32 = q.float().to(DEVICE).requires_grad_()
+    k64, v64 = (x.to(DEVICE).requires_grad_() for x in (k, v))
+    out = ts.selected_attention_triton(q32, k64, v64, idx.to(DEVICE), 2)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert k64.grad.dtype == torch.float64 and v64.grad.dtype == torch.float64
+    assert rel_err(out, gather_reference(q, k, v, idx, 2)) < TOL_F32
 
 
 def test_forward_matches_bruteforce_float64():

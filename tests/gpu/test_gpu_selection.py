@@ -117,7 +117,8 @@ def test_long_sequence_int64_offsets():
 
 
 def test_gradcheck_finite_differences():
-    cfg = NSAConfig(n_heads=4, n_kv_heads=2, d_k=16, d_v=24, sel_block=16, n_sel=2)
+    cfg = NSAConfig(n_heads=4, n_kv_heads=2, d_k=16, d_v=24, cmp_block=16, cmp_stride=8,
+                    sel_block=16, n_sel=2)
     (q, k, v), idx = _inputs(cfg, 1, 48, torch.float32, seed=5)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     assert torch.autograd.gradcheck(

@@ -54,8 +54,15 @@ def test_first_step_gradients_match_reference(forced, variant):
     loss_fast, g_fast = _grads(fast, x, target)
     loss_plain, g_plain = _grads(plain, x, target)
     assert abs(loss_fast.item() - loss_plain.item()) < 1e-2 * loss_plain.item()
+    typical = torch.stack([g.norm() for g in g_plain.values()]).median()
     for name in g_plain:
         assert torch.isfinite(g_fast[name]).all(), name
+        if g_plain[name].norm() < 1e-4 * typical:
+            # cmp_k.b2 shifts every compressed key of a group alike, which adds q.b2 to all of
+            # a query's compressed scores: the softmax ignores it, its gradient is exactly 0
+            # and both sides hold only rounding noise (~1e-7).
+            assert g_fast[name].norm() < 1e-3 * typical, name
+            continue
         assert rel_err(g_fast[name], g_plain[name]) < 5e-2, name  # bf16 autocast end to end
 
 

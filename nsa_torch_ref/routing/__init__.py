@@ -213,6 +213,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(json.dumps(result, indent=2, default=str))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
