@@ -99,21 +99,38 @@ def force_gates(params, cfg, branch: str):
 
 
 def random_cache(cache, S: int, key):
-    """`cache` (from init_cache) with every float array random and the position set to S."""
+    """`cache` (from init_cache) with every float array random and the position set to S.
+
+    One jitted program fills every leaf (eager jax.random would compile once per shape).
+    """
     import jax
     import jax.numpy as jnp
 
     leaves, treedef = jax.tree_util.tree_flatten(cache)
-    keys = jax.random.split(key, len(leaves))
-    filled = []
-    for leaf, k in zip(leaves, keys):
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
-            filled.append(jax.random.normal(k, leaf.shape, leaf.dtype))
-        elif leaf.ndim == 0:  # the position
-            filled.append(jnp.asarray(S, leaf.dtype))
-        else:
+    for leaf in leaves:
+        if not jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim != 0:
             raise Skip(f"cannot fill a cache leaf of shape {leaf.shape} / {leaf.dtype}")
-    return jax.tree_util.tree_unflatten(treedef, filled)
+
+    @jax.jit
+    def fill(leaves, key):
+        keys = jax.random.split(key, len(leaves))
+        return [jax.random.normal(k, leaf.shape, leaf.dtype)
+                if jnp.issubdtype(leaf.dtype, jnp.floating)
+                else jnp.asarray(S, leaf.dtype)  # the position (the only integer scalar)
+                for leaf, k in zip(leaves, keys)]
+
+    return jax.tree_util.tree_unflatten(treedef, fill(leaves, key))
+
+
+def init_params(cfg, dtype):
+    """nsa_jax.init_params as one jitted program (eagerly it compiles once per weight shape)."""
+    import functools
+
+    import jax
+    import nsa_jax
+
+    return jax.jit(functools.partial(nsa_jax.init_params, cfg=cfg, dtype=dtype))(
+        jax.random.PRNGKey(0))
 
 
 def cache_bytes(cache) -> int:
@@ -197,7 +214,8 @@ def branch_only_step(mode: str):
 
 
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
-    """Time a jitted, cache-donating step; returns (timing, outputs of the first call)."""
+    """Time a jitted, cache-donating step; returns (timing, the first call's third output, e.g.
+    decode_step's reads, or None). The caller's `cache` is donated: do not use it afterwards."""
     import jax
 
     jitted = jax.jit(step_fn, static_argnums=(2,), donate_argnums=(3,))
@@ -207,8 +225,8 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
     def step(i):
         out = jitted(params, xs[i % len(xs)], cfg, state["cache"])
         state["cache"] = out[1]
-        if not first:
-            first["out"] = out
+        if not first:  # keep no reference to the cache, whose buffers the next call donates
+            first["out"] = out[2] if len(out) > 2 else None
         return out[0]
 
     timing = common.time_jax(step, iters=args.iters, warmup=max(1, args.warmup),
@@ -227,7 +245,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     dtype = _jnp_dtype(args.dtype)
     steps = max(1, args.warmup) + args.iters * args.repeats
     max_len = S + steps + 1
-    params = nsa_jax.init_params(jax.random.PRNGKey(0), cfg, dtype=dtype)
+    params = init_params(cfg, dtype)
     if args.branch_force_mode != "none":
         params = force_gates(params, cfg, args.branch_force_mode)
     xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, cfg.d_model), dtype)
@@ -246,9 +264,9 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     full = _base(args, "nsa_jax", B, S, mode="full", impl="nsa_jax.decode_step (xla)",
                  cache_mb=size_mb, reads_formula=formula, reads_full=S + 1)
     try:
-        timing, first = _timed_decode(nsa_jax.decode_step, params, cfg, cache, xs, args)
+        timing, first_reads = _timed_decode(nsa_jax.decode_step, params, cfg, cache, xs, args)
         del cache
-        reads = {k: int(v) for k, v in first[2].items()}
+        reads = {k: int(v) for k, v in first_reads.items()}
         full.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
                     share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
                     reads_win=reads.get("win"), reads_actual=reads.get("total"))

@@ -111,6 +111,14 @@ def _jnp_dtype(name: str):
     return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
 
 
+def _jitted_maker(arrays: Callable) -> Callable[[int], Any]:
+    """seed -> arrays(PRNGKey(seed)) as one jitted program (eager jax.random compiles per shape)."""
+    import jax
+
+    jitted = jax.jit(arrays)
+    return lambda seed: jitted(jax.random.PRNGKey(seed))
+
+
 def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
                      base: dict[str, Any]) -> list[dict[str, Any]]:
     """Forward and forward+backward records of `fn(*inputs) -> array [..]`.
@@ -232,8 +240,8 @@ def _nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
     dtype = _jnp_dtype(args.dtype)
     B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
 
-    def make(seed: int):
-        keys = iter(jax.random.split(jax.random.PRNGKey(seed), 20))
+    def arrays(key):
+        keys = iter(jax.random.split(key, 20))
 
         def normal(shape, scale=1.0):
             return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
@@ -256,7 +264,7 @@ def _nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
         cotangent = normal((B, S, H, dv))
         return (q, *kv, gate_logits, cmp_params), cotangent
 
-    return make
+    return _jitted_maker(arrays)
 
 
 def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
@@ -274,15 +282,15 @@ def _full_jax_inputs(args, S: int):
 
     dtype = _jnp_dtype(args.dtype)
 
-    def make(seed: int):
-        kq, kk, kv, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+    def arrays(key):
+        kq, kk, kv, kc = jax.random.split(key, 4)
         q = jax.random.normal(kq, (args.B, S, args.H, args.dk), jnp.float32).astype(dtype)
         k = jax.random.normal(kk, (args.B, S, args.G, args.dk), jnp.float32).astype(dtype)
         v = jax.random.normal(kv, (args.B, S, args.G, args.dv), jnp.float32).astype(dtype)
         cotangent = jax.random.normal(kc, (args.B, S, args.H, args.dv), jnp.float32).astype(dtype)
         return (q, k, v), cotangent
 
-    return make
+    return _jitted_maker(arrays)
 
 
 def run_dot_product_attention(args, S: int, implementation: str, row: str):
@@ -332,8 +340,8 @@ def run_projections(args, S: int, row: str):
     def projections(x, w_in, o, w_out):
         return (x @ w_in).sum(axis=-1) + (o @ w_out).sum(axis=-1)
 
-    def make(seed: int):
-        keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    def arrays(key):
+        keys = jax.random.split(key, 5)
         x = jax.random.normal(keys[0], (args.B, S, D), jnp.float32).astype(dtype)
         w_in = (jax.random.normal(keys[1], (D, width_in), jnp.float32) / math.sqrt(D)).astype(dtype)
         o = jax.random.normal(keys[2], (args.B, S, H * dv), jnp.float32).astype(dtype)
@@ -342,6 +350,7 @@ def run_projections(args, S: int, row: str):
         cotangent = jax.random.normal(keys[4], (args.B, S), jnp.float32).astype(dtype)
         return (x, w_in, o, w_out), cotangent
 
+    make = _jitted_maker(arrays)
     base = dict(_base_record(args, row, S), impl=f"jnp matmuls d_model={D}", compress="", l="",
                 d="", l_sel="", n_sel="", w="", note="RoPE and reshapes not included")
     return _jax_time_passes(projections, make, args, base)
@@ -497,7 +506,8 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         return inputs, cotangent
 
     base = _base_record(args, row, S, cfg)
-    base["impl"] = "nsa_torch_ref " + " ".join(f"{b.split('_')[0]}={name}"
+    short = {branch: key for key, branch in TORCH_BRANCH_KEYS.items()}
+    base["impl"] = "nsa_torch_ref " + " ".join(f"{short[b]}={name}"
                                                for b, (name, _) in kernels.items())
     return _torch_time_passes(core, make, args, base, device)
 
@@ -616,9 +626,8 @@ def run_row(args, row: str, on_record: Optional[Callable[[list], None]] = None) 
                         note=common.short_error(exc)) for p in PASSES]
         if any(r["status"] == OOM for r in new) and all(r["status"] != OK for r in new):
             oom_from = S
-        for r in new:
-            if r["status"] == SKIPPED:
-                print(f"{row} S={S} {r['pass']}: {r['note']}", flush=True)
+        for note in dict.fromkeys(r["note"] for r in new if r["status"] == SKIPPED):
+            print(f"{row} S={S}: {note}", flush=True)
         records += new
         if on_record:
             on_record(records)

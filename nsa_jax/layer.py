@@ -6,6 +6,7 @@ projection. The internals `project`, `branches` and `combine` are shared with `n
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Optional
 
 import chex
@@ -53,22 +54,28 @@ def init_params(key: jax.Array, cfg: NSAConfig, dtype=jnp.float32) -> Params:
     Matrices are `[in, out]` (`y = x @ W`); see DESIGN.md for every name and shape.
     """
     checks.config(cfg)
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda s: isinstance(s, tuple))
-    keys = jax.random.split(key, len(leaves))
+    return _init_params_jit(key, cfg=cfg, dtype=jnp.dtype(dtype))
 
-    def init(path, shape, k):
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dtype"))
+def _init_params_jit(key, *, cfg: NSAConfig, dtype):
+    shapes = param_shapes(cfg)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda s: isinstance(s, tuple))
+    # One draw cut into pieces: a single random-bits kernel compiles far faster than one per leaf.
+    sizes = [int(np.prod(shape)) for _, shape in paths]
+    pieces = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32),
+                       np.cumsum(sizes)[:-1])
+
+    def init(path, shape, noise):
         name = path[-1].key
         if name.startswith("b"):
             return jnp.zeros(shape, dtype)
-        if name == "pos":
-            return (0.02 * jax.random.normal(k, shape)).astype(dtype)
-        fan_in = shape[-2]
-        return (jax.random.normal(k, shape) / np.sqrt(fan_in)).astype(dtype)
+        std = 0.02 if name == "pos" else 1.0 / np.sqrt(shape[-2])  # fan_in of an [in, out] matrix
+        return (std * noise.reshape(shape)).astype(dtype)
 
     return jax.tree_util.tree_unflatten(
-        treedef, [init(path, shape, k) for (path, shape), k in zip(leaves, keys)])
+        treedef, [init(path, shape, noise) for (path, shape), noise in zip(paths, pieces)])
 
 
 def check_params(params: Mapping, cfg: NSAConfig) -> None:

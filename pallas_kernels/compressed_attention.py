@@ -58,13 +58,18 @@ class BlockSizes:
     block_kv_dkv: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    # The dK/dV kernel has one program per compressed-key tile, too few to fill a GPU (T / (d *
+    # block_kv_dkv) * G). Each tile's query range is split into parts until about this many
+    # programs exist; their float32 partial sums are added in XLA (deterministic, no atomics).
+    dkv_programs: int = 1024
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
-            if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
+            if field.name.startswith("block_") and (value < MATMUL_MIN
+                                                    or value != next_pow2(value)):
                 raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
                                  f"{MATMUL_MIN}")
 
@@ -247,10 +252,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                 tiling: _Tiling, cmp_block: int, cmp_stride: int, scale: float, q_tile: int,
-                n_q_tiles: int):
-    # Each program owns one tile of compressed keys and loops over the query tiles that can see
-    # it, so dK and dV are written once, without atomics: deterministic.
+                n_q_tiles: int, q_tiles_per_part: int, n_parts: int):
+    # Each program owns one tile of compressed keys and one part of the query tiles, and writes
+    # that part's dK and dV partial sums once, without atomics: deterministic.
     block_kv = k_ref.shape[0]
+    part = lax.rem(pl.program_id(0), n_parts)
     first_block = pl.program_id(1) * block_kv
     k = k_ref[...]
     v = v_ref[...]
@@ -275,10 +281,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
     # The first query that sees block `first_block` is t = first_block*d + l - 1.
     first_q_tile = lax.div(first_block * cmp_stride + cmp_block - 1, q_tile)
+    start = jnp.maximum(first_q_tile, part * q_tiles_per_part)
+    stop = jnp.minimum(n_q_tiles, (part + 1) * q_tiles_per_part)
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(jnp.minimum(first_q_tile, n_q_tiles), n_q_tiles, body, init)
-    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dk, dv = lax.fori_loop(jnp.minimum(start, stop), stop, body, init)
+    dk_ref[...] = dk * scale
+    dv_ref[...] = dv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,14 +317,6 @@ def _row_spec(q_tile: int, tiling: _Tiling, dim_pad: Optional[int]):
         return pl.BlockSpec((None, q_tile, None, tiling.h_pad), lambda b, i, g: (b, i, g, 0))
     return pl.BlockSpec((None, q_tile, None, tiling.h_pad, dim_pad),
                         lambda b, i, g: (b, i, g, 0, 0))
-
-
-def _whole_seq_spec(length: int, tiling: _Tiling, dim_pad: Optional[int]):
-    """BlockSpec of the whole sequence of one (batch, group) of a `[B, T, G, h(, D)]` array."""
-    if dim_pad is None:
-        return pl.BlockSpec((None, length, None, tiling.h_pad), lambda b, j, g: (b, 0, g, 0))
-    return pl.BlockSpec((None, length, None, tiling.h_pad, dim_pad),
-                        lambda b, j, g: (b, 0, g, 0, 0))
 
 
 def _kv_spec(n_blocks: int, dim_pad: int):
@@ -389,26 +389,39 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     )(q5, k_pad, v_pad, do5, lse4, delta4)
 
     n_kv_tiles = pl.cdiv(tiling.n_cmp, block_kv_dkv)
-    kv_tile_spec = lambda dim_pad: pl.BlockSpec((None, block_kv_dkv, None, dim_pad),
-                                                lambda b, j, g: (b, j, g, 0))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=T_pad // q_tile_dkv,
-                          **geometry),
-        grid=(B, n_kv_tiles, G),
-        in_specs=[_whole_seq_spec(T_pad, tiling, tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
-                  kv_tile_spec(tiling.dv_pad), _whole_seq_spec(T_pad, tiling, tiling.dv_pad),
-                  _whole_seq_spec(T_pad, tiling, None), _whole_seq_spec(T_pad, tiling, None)],
-        out_specs=[kv_tile_spec(tiling.dk_pad), kv_tile_spec(tiling.dv_pad)],
-        out_shape=[jax.ShapeDtypeStruct((B, n_kv, G, tiling.dk_pad), k_cmp.dtype),
-                   jax.ShapeDtypeStruct((B, n_kv, G, tiling.dv_pad), v_cmp.dtype)],
+    n_q_tiles = T_pad // q_tile_dkv
+    n_parts = max(1, min(n_q_tiles, pl.cdiv(block_sizes.dkv_programs, B * n_kv_tiles * G)))
+    q_tiles_per_part = pl.cdiv(n_q_tiles, n_parts)
+    n_parts = pl.cdiv(n_q_tiles, q_tiles_per_part)
+    # Grid axis 0 enumerates (batch, part): Triton grids have three axes.
+    seq_spec = lambda dim_pad: pl.BlockSpec(
+        (None, T_pad, None, tiling.h_pad) + ((dim_pad,) if dim_pad else ()),
+        lambda bp, j, g: (lax.div(bp, n_parts), 0, g, 0) + ((0,) if dim_pad else ()))
+    kv_tile_spec = lambda dim_pad: pl.BlockSpec(
+        (None, block_kv_dkv, None, dim_pad), lambda bp, j, g: (lax.div(bp, n_parts), j, g, 0))
+    partial_spec = lambda dim_pad: pl.BlockSpec(
+        (None, None, block_kv_dkv, None, dim_pad),
+        lambda bp, j, g: (lax.rem(bp, n_parts), lax.div(bp, n_parts), j, g, 0))
+    dk_parts, dv_parts = pl.pallas_call(
+        functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=n_q_tiles,
+                          q_tiles_per_part=q_tiles_per_part, n_parts=n_parts, **geometry),
+        grid=(B * n_parts, n_kv_tiles, G),
+        in_specs=[seq_spec(tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
+                  kv_tile_spec(tiling.dv_pad), seq_spec(tiling.dv_pad), seq_spec(None),
+                  seq_spec(None)],
+        out_specs=[partial_spec(tiling.dk_pad), partial_spec(tiling.dv_pad)],
+        out_shape=[jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dk_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dv_pad), jnp.float32)],
         compiler_params=params,
         interpret=interpret,
         name="nsa_compressed_attention_dkv",
     )(q5, k_pad, v_pad, do5, lse4, delta4)
+    dk = dk_parts.sum(axis=0) if n_parts > 1 else dk_parts[0]
+    dv = dv_parts.sum(axis=0) if n_parts > 1 else dv_parts[0]
 
     C = tiling.n_cmp
-    return (dq[:, :T].reshape(q.shape), dk[:, :C, :, :tiling.d_k],
-            dv[:, :C, :, :tiling.d_v])
+    return (dq[:, :T].reshape(q.shape), dk[:, :C, :, :tiling.d_k].astype(k_cmp.dtype),
+            dv[:, :C, :, :tiling.d_v].astype(v_cmp.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))

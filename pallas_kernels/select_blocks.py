@@ -15,11 +15,13 @@ carried and weighted too: each `q k^T` is computed once. The weights are
 `overlap(cmp block i, sel block j) / d` (`nsa_common.overlap_weights`), built in the kernel from
 iotas; with l = 2d, l_sel = 4d they weight blocks `4j-1 .. 4j+3` by `[1, 2, 2, 2, 1]`.
 
-Top-n: the running best (score, index) pairs stay sorted by score; a step merges its `S` scores
-by extracting the maximum `n_sel` times (max, then the lowest index among the maxima: ties go to
-the lower index, as the spec says). Only max/min reductions, `where` and iota comparisons are
-used, which the Triton lowering supports. A step whose best score cannot beat the current
-`n_sel`-th in any row is skipped.
+Top-n: the running best `n_sel` (score, index) pairs are an unsorted set in registers. A step
+inserts its candidates best first, each replacing the set's worst member while it beats it
+(higher score, or equal score and lower index: the spec's tie rule), and stops at the first that
+does not, so a step costs one round plus one per insertion. At the end the set's indices are
+sorted ascending by extracting the minimum `n_sel` times. Only max/min reductions, `where` and
+iota comparisons are used (argmax is emulated as the lowest index among the maxima), all of
+which the Triton lowering supports.
 
 Layout: BTHD. `q [B, T, H, d_k]`, `k_cmp [B, C, G, d_k]`, `lse [B, T, H]` float32.
 """
@@ -85,34 +87,39 @@ class BlockSizes:
                                  f"{MATMUL_MIN}")
 
 
-def _merge_top(top_val, top_idx, score, index, n_sel: int):
-    """The best `n_sel` of the running top `(top_val, top_idx) [R, K]` and a step's
-    `(score, index) [R, S]`, sorted by score (descending), ties to the lower index. Empty slots are
-    `(-inf, _NO_BLOCK)`; `-inf` scores (ineligible blocks) never enter."""
-    column = lax.broadcasted_iota(jnp.int32, top_val.shape, 1)
+def _insert_top(top_val, top_idx, score, index):
+    """Fold a step's candidates `(score, index) [R, S]` into the running top set
+    `(top_val, top_idx) [R, K]` (unsorted, K = n_sel slots).
 
-    def extract(slot, carry):
-        top_val, top_idx, score, new_val, new_idx = carry
-        best = jnp.maximum(top_val.max(axis=1), score.max(axis=1))
-        # argmax with ties to the lower index, from max and min reductions only.
-        pick = jnp.minimum(
-            jnp.where(top_val == best[:, None], top_idx, _NO_BLOCK).min(axis=1),
-            jnp.where(score == best[:, None], index, _NO_BLOCK).min(axis=1))
-        pick = jnp.where(best == -jnp.inf, _NO_BLOCK, pick)
-        new_val = jnp.where(column == slot, best[:, None], new_val)
-        new_idx = jnp.where(column == slot, pick[:, None], new_idx)
-        top_val = jnp.where(top_idx == pick[:, None], -jnp.inf, top_val)
-        score = jnp.where(index == pick[:, None], -jnp.inf, score)
-        return top_val, top_idx, score, new_val, new_idx
+    The order is the spec's: higher score first, on equal scores the lower index. Each round
+    takes every row's best remaining candidate and, where it beats the row's worst member, puts
+    it in that member's slot. A row is done as soon as its best candidate does not beat its worst
+    member (later candidates are worse, the worst member only gets better), so the rounds number
+    one more than the most insertions of any row: usually one or two once the set is full.
+    Empty slots hold `(-inf, _NO_BLOCK + slot)`: distinct, and worse than any block. `-inf`
+    candidates (ineligible blocks) never enter."""
 
-    init = (top_val, top_idx, score, jnp.full(top_val.shape, -jnp.inf, jnp.float32),
-            jnp.full(top_idx.shape, _NO_BLOCK, jnp.int32))
-    *_, new_val, new_idx = lax.fori_loop(0, n_sel, extract, init)
-    return new_val, new_idx
+    def insert(carry):
+        top_val, top_idx, score, _ = carry
+        best = score.max(axis=1)
+        pick = jnp.where(score == best[:, None], index, _NO_BLOCK).min(axis=1)
+        worst = top_val.min(axis=1)
+        worst_idx = jnp.where(top_val == worst[:, None], top_idx, -1).max(axis=1)
+        better = (best > worst) | ((best == worst) & (pick < worst_idx))
+        better = better & (best > -jnp.inf)
+        replace = better[:, None] & (top_idx == worst_idx[:, None])
+        top_val = jnp.where(replace, best[:, None], top_val)
+        top_idx = jnp.where(replace, pick[:, None], top_idx)
+        score = jnp.where(better[:, None] & (index == pick[:, None]), -jnp.inf, score)
+        return top_val, top_idx, score, better.astype(jnp.int32).max()
+
+    top_val, top_idx, _, _ = lax.while_loop(lambda carry: carry[3] > 0, insert,
+                                            (top_val, top_idx, score, jnp.int32(1)))
+    return top_val, top_idx
 
 
 def _ascending(top_idx, n_sel: int):
-    """`top_idx [R, K]` sorted ascending over its first `n_sel` slots, `_NO_BLOCK` -> -1."""
+    """The `n_sel` smallest of `top_idx [R, K]` in ascending order; empty slots -> -1."""
     column = lax.broadcasted_iota(jnp.int32, top_idx.shape, 1)
 
     def extract(slot, carry):
@@ -124,7 +131,7 @@ def _ascending(top_idx, n_sel: int):
 
     _, out = lax.fori_loop(0, n_sel, extract,
                            (top_idx, jnp.full(top_idx.shape, _NO_BLOCK, jnp.int32)))
-    return jnp.where(out == _NO_BLOCK, -1, out)
+    return jnp.where(out >= _NO_BLOCK, -1, out)
 
 
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block: int,
@@ -180,20 +187,16 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
         forced = (index < n_init) | (index > last_sel[:, None] - n_local)
         score = jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
 
-        # Skip the merge when no row can take a block from this step: its best score must beat
-        # the row's current n_sel-th (an equal score loses to the lower, earlier index).
-        nth = jnp.where(column == n_sel - 1, top_val, jnp.inf).min(axis=1)
-        enters = (score.max(axis=1) > nth).astype(jnp.int32).max() > 0
-        top_val, top_idx = lax.cond(
-            enters, lambda: _merge_top(top_val, top_idx, score, index, n_sel),
-            lambda: (top_val, top_idx))
+        top_val, top_idx = _insert_top(top_val, top_idx, score, index)
         return p_sum, top_val, top_idx
 
     last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
     n_steps = lax.div(lax.div(last_query, sel_block), block_sel) + 1
+    # Slots past n_sel (n_sel padded to a power of two) hold +inf, so they are never the worst
+    # member: the only +inf candidates are forced blocks, at most n_sel of them.
     init = (jnp.zeros((q_tile, width), jnp.float32),
-            jnp.full((q_tile, idx_ref.shape[1]), -jnp.inf, jnp.float32),
-            jnp.full((q_tile, idx_ref.shape[1]), _NO_BLOCK, jnp.int32))
+            jnp.where(column < n_sel, -jnp.inf, jnp.inf).astype(jnp.float32),
+            _NO_BLOCK + column)
     _, _, top_idx = lax.fori_loop(0, n_steps, step, init)
     block_idx = _ascending(top_idx, n_sel)
     if idx_ref.shape[1] == n_sel:

@@ -18,9 +18,10 @@ from pallas_kernels.compressed_attention import (
 # Relative L2 error bounds (shared/NSA_SPEC.md "Tolerances").
 TOL = {jnp.float32: {"out": 1e-5, "grad": 1e-4}, jnp.bfloat16: {"out": 1e-2, "grad": 1e-2}}
 
-# Small tiles so that the tiny CPU shapes still span several query and key tiles.
+# Small tiles so that the tiny CPU shapes still span several query and key tiles, and the dK/dV
+# kernel splits each key tile's queries into a few parts (the default tiles split them fully).
 SMALL = BlockSizes(block_q=16, block_kv=16, block_q_dq=16, block_kv_dq=16, block_q_dkv=32,
-                   block_kv_dkv=16)
+                   block_kv_dkv=16, dkv_programs=4)
 
 
 def rel_err(x, ref):
