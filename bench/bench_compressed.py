@@ -65,7 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--select-block-q", type=int, default=None)
     p.add_argument("--select-num-warps", type=int, default=None)
     p.add_argument("--sweep", action="store_true",
-                   help="also time a few forward / select tile choices at the first length")
+                   help="first time a few tile choices at --sweep-len, then time the lengths "
+                        "with the fastest")
+    p.add_argument("--sweep-len", type=int, default=16384)
     p.add_argument("--out", default="bench/results", help="folder for the CSV files")
     p.add_argument("--interpret", action="store_true",
                    help="run the kernels in Pallas' interpreter (a CPU smoke test of the script)")
@@ -234,6 +236,60 @@ def time_one(args, T, sizes=None, sel_sizes=None):
     return row
 
 
+FWD_SWEEP = [(64, 64, 4), (128, 32, 4), (128, 64, 8), (256, 64, 8), (128, 32, 8), (256, 32, 8)]
+# (block_q_dq, block_kv_dq, block_q_dkv, block_kv_dkv, num_warps, dkv_programs)
+BWD_SWEEP = [(64, 32, 64, 32, 4, 1024), (128, 32, 64, 32, 4, 1024), (128, 64, 128, 64, 8, 1024),
+             (64, 64, 64, 64, 4, 1024), (128, 32, 128, 32, 8, 2048), (64, 32, 64, 32, 4, 4096)]
+# (block_q, block_sel, num_warps)
+SELECT_SWEEP = [(64, 16, 4), (128, 16, 4), (256, 16, 8), (64, 32, 4), (128, 32, 8), (256, 32, 8)]
+
+
+def sweep(args):
+    """Time a few tile choices at `--sweep-len`; return the fastest forward+backward and select
+    tiles (the forward's own tiles first, then the backward's with them)."""
+    T = args.sweep_len
+    q, k, v, do = inputs(args, T)
+    timed = lambda fn, *xs: median_ms(fn, *xs, warmup=2, iters=args.iters)
+    rows, best = [], {}
+
+    def attempt(kind, config, fn, *xs):
+        try:
+            ms = timed(fn, *xs)
+        except Exception as e:  # report, keep sweeping
+            ms = f"error: {type(e).__name__}: {str(e)[:200]}"
+        if kind == "fwd":
+            label = f"q{config.block_q} kv{config.block_kv} w{config.num_warps}"
+        elif kind == "fwd_bwd":
+            label = (f"dq {config.block_q_dq}x{config.block_kv_dq} dkv {config.block_q_dkv}x"
+                     f"{config.block_kv_dkv} w{config.num_warps_bwd} p{config.dkv_programs}")
+        else:
+            label = f"q{config.block_q} sel{config.block_sel} w{config.num_warps}"
+        rows.append({"kernel": kind, "T": T, "config": label, "ms": ms})
+        print(rows[-1], flush=True)
+        if isinstance(ms, float) and (kind not in best or ms < best[kind][0]):
+            best[kind] = (ms, config)
+
+    for block_q, block_kv, warps in FWD_SWEEP:
+        sizes = block_sizes(args, block_q=block_q, block_kv=block_kv, num_warps=warps)
+        attempt("fwd", sizes, functions(args, sizes)[0], q, k, v)
+    fwd_sizes = best["fwd"][1] if "fwd" in best else block_sizes(args)
+    for q_dq, kv_dq, q_dkv, kv_dkv, warps, programs in BWD_SWEEP:
+        sizes = BlockSizes(**{**fwd_sizes.__dict__, "block_q_dq": q_dq, "block_kv_dq": kv_dq,
+                              "block_q_dkv": q_dkv, "block_kv_dkv": kv_dkv,
+                              "num_warps_bwd": warps, "dkv_programs": programs})
+        attempt("fwd_bwd", sizes, functions(args, sizes)[1], q, k, v, do)
+    _, lse = functions(args, fwd_sizes)[0](q, k, v)
+    for block_q, block_sel, warps in SELECT_SWEEP:
+        sel_sizes = select_sizes(args, block_q=block_q, block_sel=block_sel, num_warps=warps)
+        attempt("select", sel_sizes, functions(args, None, sel_sizes)[2], q, k, lse)
+    print_table(rows, f"tile sweep at T={T}")
+    write_csv(rows, os.path.join(args.out, "compressed_sweep.csv"))
+    sizes = best["fwd_bwd"][1] if "fwd_bwd" in best else fwd_sizes
+    sel_sizes = best["select"][1] if "select" in best else select_sizes(args)
+    print(f"chosen: fwd {fwd_sizes}\n        fwd+bwd {sizes}\n        select {sel_sizes}")
+    return sizes, sel_sizes
+
+
 def print_table(rows, title):
     if not rows:
         return
@@ -273,40 +329,17 @@ def main(argv=None):
         print_table(rows, f"correctness at T={args.check_len} (relative L2 vs float32 reference)")
         write_csv(rows, os.path.join(args.out, "compressed_check.csv"))
 
+    sizes, sel_sizes = None, None
     if args.sweep:
-        rows = []
-        T = args.seq_lens[0]
-        for block_q, block_kv, warps in [(64, 64, 4), (128, 64, 8), (128, 32, 4), (64, 32, 4),
-                                         (128, 128, 8), (256, 64, 8)]:
-            sizes = block_sizes(args, block_q=block_q, block_kv=block_kv, num_warps=warps)
-            q, k, v, _ = inputs(args, T)
-            forward, _, _ = functions(args, sizes)
-            try:
-                t = median_ms(forward, q, k, v, warmup=args.warmup, iters=args.iters)
-            except Exception as e:
-                t = f"error: {type(e).__name__}: {str(e)[:200]}"
-            rows.append({"kernel": "fwd", "T": T, "block_q": block_q, "block_kv": block_kv,
-                         "num_warps": warps, "ms": t})
-        for block_q, warps in [(64, 4), (128, 4), (128, 8), (256, 8)]:
-            sel_sizes = select_sizes(args, block_q=block_q, num_warps=warps)
-            q, k, v, _ = inputs(args, T)
-            forward, _, select = functions(args, None, sel_sizes)
-            try:
-                _, lse = forward(q, k, v)
-                t = median_ms(select, q, k, lse, warmup=args.warmup, iters=args.iters)
-            except Exception as e:
-                t = f"error: {type(e).__name__}: {str(e)[:200]}"
-            rows.append({"kernel": "select", "T": T, "block_q": block_q, "num_warps": warps,
-                         "ms": t})
-        print_table(rows, f"tile sweep at T={T}")
-        write_csv(rows, os.path.join(args.out, "compressed_sweep.csv"))
+        sizes, sel_sizes = sweep(args)
 
     rows = []
     for T in args.seq_lens:
-        rows.append(time_one(args, T))
+        rows.append(time_one(args, T, sizes, sel_sizes))
         print_table(rows[-1:], f"T={T}")
-    print_table(rows, "timing (median ms)")
-    write_csv(rows, os.path.join(args.out, "compressed_timing.csv"))
+        write_csv(rows, os.path.join(args.out, "compressed_timing.csv"))
+    print_table(rows, f"timing (median ms); fwd/bwd {sizes or block_sizes(args)}; "
+                      f"select {sel_sizes or select_sizes(args)}")
 
 
 if __name__ == "__main__":

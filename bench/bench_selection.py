@@ -60,6 +60,8 @@ def parse_args():
     p.add_argument("--no-peer", action="store_true", help="skip fla-org parallel_nsa")
     p.add_argument("--sweep", action="store_true", help="also time BlockSizes variants")
     p.add_argument("--sweep-len", type=int, default=65536)
+    p.add_argument("--breakdown", action="store_true", help="time fwd, dq, index, dk/dv apart")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness section")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     p.add_argument("--interpret", action="store_true",
                    help="Pallas interpret mode (CPU smoke run of this script; implies --quick)")
@@ -300,29 +302,72 @@ def timing(args, lens) -> list[dict]:
 
 
 def sweep(args) -> list[dict]:
+    """Launch-parameter variants at one T, each checked against the default's outputs."""
     T = args.sweep_len
     q, k, v, do, block_idx = make_inputs(T, args, seed=7)
     variants = {
         "default": BlockSizes(),
+        "fwd/dq 2 warps": BlockSizes(num_warps_fwd=2, num_warps_dq=2),
         "fwd/dq 8 warps": BlockSizes(num_warps_fwd=8, num_warps_dq=8),
-        "fwd/dq 3 stages": BlockSizes(num_stages_fwd=3, num_stages_dq=3),
         "fwd/dq 1 stage": BlockSizes(num_stages_fwd=1, num_stages_dq=1),
+        "fwd/dq 3 stages": BlockSizes(num_stages_fwd=3, num_stages_dq=3),
+        "fwd/dq 2 warps 1 stage": BlockSizes(num_warps_fwd=2, num_warps_dq=2, num_stages_fwd=1,
+                                             num_stages_dq=1),
         "dkv rows 128": BlockSizes(dkv_rows=128),
         "dkv rows 128, 8 warps": BlockSizes(dkv_rows=128, num_warps_dkv=8),
         "dkv rows 32": BlockSizes(dkv_rows=32),
+        "dkv 1 stage": BlockSizes(num_stages_dkv=1),
+        "dkv 3 stages": BlockSizes(num_stages_dkv=3),
         "dkv chunk 1024": BlockSizes(dkv_chunk=1024),
-        "dkv chunk 4096": BlockSizes(dkv_chunk=4096),
+        "dkv chunk 8192": BlockSizes(dkv_chunk=8192),
     }
-    rows = []
+    rows, base = [], None
     for name, bs in variants.items():
         fwd, fwd_bwd = jax_fns(block_idx, args, bs)
         try:
+            outs = jax.block_until_ready((fwd(q, k, v), *fwd_bwd(q, k, v, do)))
+            base = outs if base is None else base
+            err = max(rel_err(a, b) for a, b in zip(outs, base))
             fm, _ = time_jax(fwd, (q, k, v), args)
             bm, _ = time_jax(fwd_bwd, (q, k, v, do), args)
-            rows.append({"variant": name, "T": T, "fwd_ms": fm, "fwd_bwd_ms": bm})
-            print(f"  {name:>24}: fwd {fm:8.3f} ms, fwd+bwd {bm:8.3f} ms", flush=True)
+            rows.append({"variant": name, "T": T, "fwd_ms": fm, "fwd_bwd_ms": bm,
+                         "max_rel_diff_vs_default": err})
+            print(f"  {name:>24}: fwd {fm:8.3f} ms, fwd+bwd {bm:8.3f} ms, "
+                  f"diff vs default {err:.1e}", flush=True)
         except Exception:  # noqa: BLE001
             print(f"  {name} failed:\n" + traceback.format_exc())
+    return rows
+
+
+def breakdown(args) -> list[dict]:
+    """Time the pieces of forward+backward separately at the largest timed T."""
+    import importlib
+    sa = importlib.import_module("pallas_kernels.selected_attention")
+    T = max(int(x) for x in args.seq_lens.split(","))
+    q, k, v, do, block_idx = make_inputs(T, args, seed=T + 1)
+    geo = sa._validate(q, k, v, block_idx, args.sel_block)
+    scale, bs = args.head_dim ** -0.5, BlockSizes()
+    interpret = KERNEL_KW.get("interpret", False)
+    fwd = jax.jit(lambda q, k, v: sa._forward(q, k, v, block_idx, geo, scale, bs, interpret,
+                                              False))
+    o, lse = jax.block_until_ready(fwd(q, k, v))
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    rest = (geo, scale, bs, interpret, False)
+    dq = jax.jit(lambda q, k, v: sa._backward_dq(q, k, v, block_idx, do, lse, delta, *rest))
+    dkv = jax.jit(lambda q, k, v: sa._backward_dkv(q, k, v, block_idx, do, lse, delta, *rest))
+    rows_per_step = max(bs.dkv_rows, 16)
+    chunk = sa._dkv_chunk(geo, bs, rows_per_step // geo.h)
+    inv = jax.jit(lambda idx: sa._inverse_index(idx, geo, chunk, pad=rows_per_step))
+    n_items = geo.n_blocks + -(-T * geo.n_sel // chunk)
+    rows = []
+    for name, fn, fn_args in (("forward kernel", fwd, (q, k, v)),
+                              ("dq kernel", dq, (q, k, v)),
+                              ("inverse index (XLA)", inv, (block_idx,)),
+                              ("dk/dv kernels + reduce (incl. index)", dkv, (q, k, v))):
+        med, _ = time_jax(fn, fn_args, args)
+        rows.append({"T": T, "piece": name, "median_ms": med})
+        print(f"  {name:>38}: {med:8.3f} ms", flush=True)
+    print(f"  dk/dv work items per (b, g): {n_items} (chunk {chunk})")
     return rows
 
 
@@ -355,7 +400,7 @@ def main():
 
     print(f"\n== correctness vs XLA reference (bf16, B {args.batch}, H {args.heads}, "
           f"G {args.kv_heads}, d {args.head_dim}, l_sel {args.sel_block}, n_sel {args.n_sel})")
-    check = correctness(args, lens(args.check_lens))
+    check = [] if args.no_check else correctness(args, lens(args.check_lens))
     write_csv(os.path.join(args.out, "correctness.csv"), check)
     print(f"{'T':>7} {'quantity':>9} {'rel err':>10} {'pass':>5}")
     for r in check:
@@ -364,6 +409,10 @@ def main():
     print("\n== timing (median ms)")
     rows = timing(args, lens(args.seq_lens))
     write_csv(os.path.join(args.out, "timing.csv"), rows)
+
+    if args.breakdown:
+        print("\n== breakdown (median ms)")
+        write_csv(os.path.join(args.out, "breakdown.csv"), breakdown(args))
 
     if args.sweep:
         print(f"\n== BlockSizes sweep at T={args.sweep_len}")

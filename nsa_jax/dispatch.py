@@ -8,7 +8,7 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
 
     compress_kv(k, cmp_params, cfg)
     compressed_attention(q, k_cmp, v_cmp, cfg, *, scale, return_lse)
-    select_blocks(q, k_cmp, cfg, *, scale)
+    select_blocks(q, k_cmp, cfg, *, scale[, lse])  (lse [B, T, H] when the caller has it)
     selected_attention(q, k, v, block_idx, *, block_size, scale)
     sliding_window_attention(q, k, v, *, window, scale)
 
@@ -140,10 +140,11 @@ def static_backend(backend: Backend) -> StaticBackend:
 
 @functools.partial(jax.jit, static_argnames=("branch", "backend", "options", "static_args",
                                              "static_kwargs"))
-def jit_call(*arrays, branch: str, backend, options, static_args: tuple = (),
-             static_kwargs: tuple = ()):
+def jit_call(arrays: tuple, array_kwargs: dict, *, branch: str, backend, options,
+             static_args: tuple = (), static_kwargs: tuple = ()):
     """`call` compiled once per static configuration (eager callers would otherwise pay for
-    op-by-op dispatch). arrays: the array (pytree) arguments; static_args follow them
-    positionally; options / static_kwargs are tuples of items."""
+    op-by-op dispatch). arrays / array_kwargs: the traced (pytree) arguments; static_args follow
+    the arrays positionally; options / static_kwargs are tuples of items."""
     return call(branch, backend, *arrays, *static_args,
-                options=dict(options) if options else None, **dict(static_kwargs))
+                options=dict(options) if options else None, **array_kwargs,
+                **dict(static_kwargs))

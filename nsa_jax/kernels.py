@@ -19,9 +19,10 @@ Options = Optional[Mapping[str, Any]]
 
 
 def _run(branch: str, backend, options: Options, arrays: tuple, static_args: tuple = (),
-         **static_kwargs):
+         array_kwargs: Optional[dict] = None, **static_kwargs):
     """Dispatch `branch` through one compiled call (static: everything but the arrays)."""
-    return dispatch.jit_call(*arrays, branch=branch, backend=dispatch.static_backend(backend),
+    return dispatch.jit_call(arrays, array_kwargs or {}, branch=branch,
+                             backend=dispatch.static_backend(backend),
                              options=dispatch.static_options(options), static_args=static_args,
                              static_kwargs=tuple(sorted(static_kwargs.items())))
 
@@ -73,12 +74,21 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
 
 
 def select_blocks(q: jax.Array, k_cmp: jax.Array, cfg: NSAConfig, *,
-                  scale: Optional[float] = None, backend: dispatch.Backend = "xla",
-                  options: Options = None) -> jax.Array:
+                  scale: Optional[float] = None, lse: Optional[jax.Array] = None,
+                  backend: dispatch.Backend = "xla", options: Options = None) -> jax.Array:
     """q `[B, T, H, d_k]`, k_cmp `[B, C, G, d_k]` -> block_idx int32 `[B, T, G, n_sel]`:
-    ascending, -1 padded; no gradient flows through it."""
+    ascending, -1 padded; no gradient flows through it.
+
+    lse: optionally the `[B, T, H]` log-sum-exp that `compressed_attention(..., return_lse=True)`
+    gave for the same inputs; backends that normalise with it (Pallas) then skip recomputing it.
+    """
     _check_cmp_inputs(q, k_cmp, cfg)
-    block_idx = _run("select_blocks", backend, options, (q, k_cmp), (cfg,),
+    extra = {}
+    if lse is not None:
+        checks.array("lse", lse, 3)
+        checks.dim("lse", tuple(lse.shape), tuple(q.shape[:3]), "shape")
+        extra["lse"] = lse
+    block_idx = _run("select_blocks", backend, options, (q, k_cmp), (cfg,), array_kwargs=extra,
                      scale=checks.scale(scale, q.shape[-1]))
     chex.assert_shape(block_idx, (*q.shape[:2], k_cmp.shape[2], cfg.n_sel))
     chex.assert_type(block_idx, jnp.int32)

@@ -129,10 +129,10 @@ def branches(params: Params, proj: dict, cfg: NSAConfig, *, segments: Optional[S
     q, scale = proj["q"], cfg.scale
     k_cmp = run("compress_kv", proj["k_cmp"], params["cmp_k"] if mlp else None, cfg)
     v_cmp = run("compress_kv", proj["v_cmp"], params["cmp_v"] if mlp else None, cfg)
-    block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale)
+    o_cmp, lse = run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
+    block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
     return dict(
-        k_cmp=k_cmp, v_cmp=v_cmp, block_idx=block_idx,
-        o_cmp=run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=False),
+        k_cmp=k_cmp, v_cmp=v_cmp, block_idx=block_idx, o_cmp=o_cmp,
         o_sel=run("selected_attention", q, proj["k_sel"], proj["v_sel"], block_idx,
                   block_size=cfg.sel_block, scale=scale),
         o_win=run("sliding_window_attention", q, proj["k_win"], proj["v_win"],
@@ -161,7 +161,7 @@ def check_layer_inputs(params, x, cfg) -> None:
 
 
 def check_cu_seqlens(cu_seqlens, x: jax.Array) -> None:
-    """Validate `cu_seqlens` `[N + 1]` against x `[1, T, d_model]` (its values too when concrete)."""
+    """Validate `cu_seqlens` `[N + 1]` against x `[1, T, d_model]` (values too when concrete)."""
     checks.array("cu_seqlens", cu_seqlens, 1, floating=False, integer=True)
     if x.shape[0] != 1:
         raise ValueError(f"cu_seqlens needs x with batch size 1 (packed), got B = {x.shape[0]}")

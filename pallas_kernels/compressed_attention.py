@@ -56,7 +56,8 @@ class BlockSizes:
     block_kv_dq: int = 32
     block_q_dkv: int = 64
     block_kv_dkv: int = 32
-    num_warps: int = 4
+    num_warps: int = 4      # forward
+    num_warps_bwd: int = 4  # both backward kernels
     num_stages: int = 2
     # The dK/dV kernel has one program per compressed-key tile, too few to fill a GPU (T / (d *
     # block_kv_dkv) * G). Each tile's query range is split into parts until about this many
@@ -373,7 +374,7 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
     v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
-    params = triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages)
+    params = triton_compiler_params(block_sizes.num_warps_bwd, block_sizes.num_stages)
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, **geometry),

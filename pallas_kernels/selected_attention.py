@@ -138,7 +138,10 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _dot(a, b, trans_b=False):
-    return _pl_dot(a, b, trans_b=trans_b)
+    # float32 operands multiply in full precision (Triton would otherwise use TF32, 1e-4-ish
+    # relative error, outside the spec's float32 tolerance); half precision is unaffected.
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return _pl_dot(a, b, trans_b=trans_b, precision=precision)
 
 
 def _visit_bound(idx_ref):

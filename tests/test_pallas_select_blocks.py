@@ -70,6 +70,30 @@ def test_matches_reference_and_brute_force(case):
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
+def test_block_straddling_two_steps_scores_in_both():
+    """A compressed block that straddles the boundary of two kernel steps (l = 2d) weighs on the
+    last selection block of one step and the first of the next. Make that block dominate the
+    attention: both selection blocks must then be chosen."""
+    l, d, l_sel, n_sel = 4, 2, 8, 5
+    kw = selection(l, d, l_sel, n_sel, 1, 2)
+    span = BlockSizes().block_sel * l_sel // d  # compressed blocks per step
+    rng = np.random.default_rng(5)
+    T, H, d_k = 220, 2, 16
+    direction = rng.standard_normal(d_k).astype(np.float32)
+    direction /= np.linalg.norm(direction)
+    q = 4 * direction + 0.1 * rng.standard_normal((1, T, H, d_k), dtype=np.float32)
+    k = 0.5 * rng.standard_normal((1, (T - l) // d + 1, 1, d_k), dtype=np.float32)
+    k[0, span - 1, 0] = 4 * direction
+    q, k = jnp.asarray(q), jnp.asarray(k)
+    _, lse = compressed_attention_reference(q, k, k, cmp_block=l, cmp_stride=d)
+    block_idx = np.asarray(select_blocks(q, k, lse, interpret=True, **kw))
+    step = BlockSizes().block_sel
+    late = np.arange(T) >= (step + 2) * l_sel  # where neither block is forced any more
+    assert np.isin(block_idx[0, late, 0], [step - 1]).any(axis=-1).all()
+    assert np.isin(block_idx[0, late, 0], [step]).any(axis=-1).all()
+    np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
+
+
 def test_lse_from_the_compressed_attention_kernel():
     """The pipeline as the layer runs it: the kernel's own lse feeds the selection."""
     q, k = make_inputs(1, 1, 120, 8, 2, 32, 8, 4)

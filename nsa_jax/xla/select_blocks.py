@@ -49,14 +49,16 @@ def sel_scores(p_cmp: jax.Array, overlap: jax.Array) -> jax.Array:
 
 
 def select_blocks(q: jax.Array, k_cmp: jax.Array, cfg: NSAConfig, *, scale: float,
-                  segments: Optional[Segments] = None,
+                  lse: Optional[jax.Array] = None, segments: Optional[Segments] = None,
                   options: Optional[XlaOptions] = None) -> jax.Array:
     """q `[B, T, H, d_k]`, k_cmp `[B, C, G, d_k]` -> block_idx int32 `[B, T, G, n_sel]`.
 
     Packed: block indices are local to each query's sequence. Scores per chunk
     `[B, q_chunk, H, C]`; the selection itself sorts `[B, q_chunk, G, ceil(T / l_sel)]`.
-    No gradient flows through the selection.
+    No gradient flows through the selection. `lse` (the compressed branch's, which kernels
+    such as Pallas' reuse) is not needed here: the probabilities come from one exact softmax.
     """
+    del lse
     options = options or DEFAULT_OPTIONS
     q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
     B, T = q.shape[:2]
