@@ -50,14 +50,16 @@ class BlockSizes:
     count compressed keys. `_dq` / `_dkv` are the two backward kernels.
     """
 
-    block_q: int = 64
+    # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
+    # (bench/bench_compressed.py --sweep).
+    block_q: int = 256
     block_kv: int = 64
-    block_q_dq: int = 64
-    block_kv_dq: int = 32
-    block_q_dkv: int = 64
-    block_kv_dkv: int = 32
-    num_warps: int = 4      # forward
-    num_warps_bwd: int = 4  # both backward kernels
+    block_q_dq: int = 128
+    block_kv_dq: int = 64
+    block_q_dkv: int = 128
+    block_kv_dkv: int = 64
+    num_warps: int = 8      # forward
+    num_warps_bwd: int = 8  # both backward kernels
     num_stages: int = 2
     # The dK/dV kernel has one program per compressed-key tile, too few to fill a GPU (T / (d *
     # block_kv_dkv) * G). Each tile's query range is split into parts until about this many
@@ -75,6 +77,10 @@ class BlockSizes:
                                  f"{MATMUL_MIN}")
 
 
+# 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
+_MAX_TILE_ELEMENTS = 256 * 128
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tiling:
     """Static shape facts of one call, shared by the kernels."""
@@ -89,7 +95,11 @@ class _Tiling:
     dv_pad: int
 
     def q_tile(self, block_rows: int) -> int:
-        """Queries per tile for a tile of `block_rows` rows (at least one query)."""
+        """Queries per tile for a tile of `block_rows` rows (at least one query). Wide heads get
+        fewer rows: a tile holds at most `_MAX_TILE_ELEMENTS` query elements, the size the
+        defaults were measured at, so that d_k = 192 (padded to 256) still fits shared memory."""
+        widest = max(self.dk_pad, self.dv_pad)
+        block_rows = min(block_rows, max(MATMUL_MIN, _MAX_TILE_ELEMENTS // widest))
         return max(1, block_rows // self.h_pad)
 
 

@@ -72,9 +72,11 @@ class BlockSizes:
     to a power of two). `block_sel` counts selection blocks scored per step.
     """
 
-    block_q: int = 64
-    block_sel: int = 16
-    num_warps: int = 4
+    # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
+    # (bench/bench_compressed.py --sweep).
+    block_q: int = 256
+    block_sel: int = 32
+    num_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self):

@@ -36,7 +36,8 @@ def brute_force(q, k, kw):
     return bf.bf_select_blocks(np.asarray(q, np.float64), np.asarray(k, np.float64), cfg)
 
 
-# (B, T, H, G, d_k), selection (l, d, l_sel, n_sel, n_init, n_local), block_q rows.
+# (B, T, H, G, d_k), selection (l, d, l_sel, n_sel, n_init, n_local), block_q rows (with 16
+# selection blocks per kernel step).
 CASES = [
     # the paper's ratios (l = 2d, l_sel = 4d), h = 2
     ((1, 100, 4, 2, 16), (8, 4, 16, 4, 1, 2), 64),
@@ -62,7 +63,7 @@ def test_matches_reference_and_brute_force(case):
     kw = selection(*sel)
     _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
                                             cmp_stride=kw["cmp_stride"])
-    block_idx = select_blocks(q, k, lse, block_sizes=BlockSizes(block_q=block_q),
+    block_idx = select_blocks(q, k, lse, block_sizes=BlockSizes(block_q=block_q, block_sel=16),
                               interpret=True, **kw)
     B, T, H, G, _ = shape
     assert block_idx.shape == (B, T, G, kw["n_sel"]) and block_idx.dtype == jnp.int32
@@ -76,9 +77,10 @@ def test_block_straddling_two_steps_scores_in_both():
     attention: both selection blocks must then be chosen."""
     l, d, l_sel, n_sel = 4, 2, 8, 5
     kw = selection(l, d, l_sel, n_sel, 1, 2)
-    span = BlockSizes().block_sel * l_sel // d  # compressed blocks per step
+    step = BlockSizes().block_sel  # selection blocks per kernel step (default tiles)
+    span = step * l_sel // d  # compressed blocks per step
     rng = np.random.default_rng(5)
-    T, H, d_k = 220, 2, 16
+    T, H, d_k = (step + 8) * l_sel, 2, 16
     direction = rng.standard_normal(d_k).astype(np.float32)
     direction /= np.linalg.norm(direction)
     q = 4 * direction + 0.1 * rng.standard_normal((1, T, H, d_k), dtype=np.float32)
@@ -87,7 +89,6 @@ def test_block_straddling_two_steps_scores_in_both():
     q, k = jnp.asarray(q), jnp.asarray(k)
     _, lse = compressed_attention_reference(q, k, k, cmp_block=l, cmp_stride=d)
     block_idx = np.asarray(select_blocks(q, k, lse, interpret=True, **kw))
-    step = BlockSizes().block_sel
     late = np.arange(T) >= (step + 2) * l_sel  # where neither block is forced any more
     assert np.isin(block_idx[0, late, 0], [step - 1]).any(axis=-1).all()
     assert np.isin(block_idx[0, late, 0], [step]).any(axis=-1).all()
