@@ -9,7 +9,8 @@
    block_idx, timed with torch.cuda.Event. Skipped with a message when fla or torch-CUDA is missing.
 
 Prints tables and writes env.json, correctness.csv, timing.csv (and sweep.csv with --sweep) to
---out. Usage: python bench/bench_selection.py --out bench/results [--quick] [--sweep] [--no-peer]
+--out. Usage: python bench/bench_selection.py --out bench/results [--breakdown] [--sweep]
+[--no-peer] [--quick]; --interpret runs a tiny CPU smoke version.
 """
 from __future__ import annotations
 
@@ -261,7 +262,6 @@ def time_peer(q, k, v, do, block_idx, args):
             torch.cuda.synchronize()
             samples.append(start.elapsed_time(end) / args.inner)
         results.append((statistics.median(samples), min(samples)))
-    del tq, tk, tv, tdo, idx
     torch.cuda.empty_cache()
     return results
 
@@ -334,6 +334,7 @@ def sweep(args) -> list[dict]:
                          "max_rel_diff_vs_default": err})
             print(f"  {name:>24}: fwd {fm:8.3f} ms, fwd+bwd {bm:8.3f} ms, "
                   f"diff vs default {err:.1e}", flush=True)
+            write_csv(os.path.join(args.out, "sweep.csv"), rows)  # a timeout keeps what ran
         except Exception:  # noqa: BLE001
             print(f"  {name} failed:\n" + traceback.format_exc())
     return rows
@@ -356,7 +357,7 @@ def breakdown(args) -> list[dict]:
     dq = jax.jit(lambda q, k, v: sa._backward_dq(q, k, v, block_idx, do, lse, delta, *rest))
     dkv = jax.jit(lambda q, k, v: sa._backward_dkv(q, k, v, block_idx, do, lse, delta, *rest))
     rows_per_step = max(bs.dkv_rows, 16)
-    chunk = sa._dkv_chunk(geo, bs, rows_per_step // geo.h)
+    chunk = sa._dkv_chunk(geo, bs)
     inv = jax.jit(lambda idx: sa._inverse_index(idx, geo, chunk, pad=rows_per_step))
     n_items = geo.n_blocks + -(-T * geo.n_sel // chunk)
     rows = []
@@ -416,7 +417,7 @@ def main():
 
     if args.sweep:
         print(f"\n== BlockSizes sweep at T={args.sweep_len}")
-        write_csv(os.path.join(args.out, "sweep.csv"), sweep(args))
+        sweep(args)
 
     print(f"\n== summary ({env['device']}, jax {env['jax']}, commit {env.get('commit')})")
     impls = sorted({r["impl"] for r in rows}, reverse=True)

@@ -3,7 +3,8 @@
 Layer: `init_params`, `nsa_attention`. Decode: `init_cache`, `prefill`, `decode_step`.
 Kernel-level (BTHD): `compress_kv`, `compressed_attention`, `select_blocks`,
 `selected_attention`, `sliding_window_attention`. Backends plug in through
-`register_backend` (`nsa_jax.dispatch`); `"xla"` is built in.
+`register_backend` (`nsa_jax.dispatch`); `"xla"` is built in, `"pallas"` (selection,
+compressed attention, selected attention; interpret mode off a GPU) comes from `pallas_kernels`.
 """
 from nsa_common import NSAConfig
 from nsa_jax.decode import DecodeCache, decode_step, init_cache, prefill
@@ -12,11 +13,16 @@ from nsa_jax.kernels import (compress_kv, compressed_attention, select_blocks,
                              selected_attention, sliding_window_attention)
 from nsa_jax.layer import init_params, nsa_attention, param_shapes
 from nsa_jax.rope import apply_rope
+from nsa_jax.pallas_backend import PallasOptions
+from nsa_jax.pallas_backend import register as _register_pallas
 from nsa_jax.xla.options import XlaOptions
+
+_register_pallas()
 
 __all__ = [
     "DecodeCache",
     "NSAConfig",
+    "PallasOptions",
     "XlaOptions",
     "apply_rope",
     "compress_kv",
