@@ -117,10 +117,27 @@ def test_long_sequence_int64_offsets():
 
 
 def test_gradcheck_finite_differences():
+    """Directional finite differences of the Triton kernel against its own backward.
+
+    `torch.autograd.gradcheck` needs float64, which the kernel does not take; elementwise float32
+    differences are noise-bound. A directional derivative of a scalar loss, with a central
+    difference and a large step, is accurate to ~1e-3 in float32."""
     cfg = NSAConfig(n_heads=4, n_kv_heads=2, d_k=16, d_v=24, cmp_block=16, cmp_stride=8,
                     sel_block=16, n_sel=2)
     (q, k, v), idx = _inputs(cfg, 1, 48, torch.float32, seed=5)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(q.shape[:3] + (cfg.d_v,), device="cuda", generator=generator)
+
+    def loss(*inputs):
+        return (selected_attention_triton(*inputs, idx, cfg.sel_block).double() * weight).sum()
+
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    assert torch.autograd.gradcheck(
-        lambda *x: selected_attention_triton(*x, idx, cfg.sel_block), leaves,
-        eps=1e-3, atol=5e-3, rtol=5e-3, nondet_tol=0.0)
+    loss(*leaves).backward()
+    for i, name in enumerate(("q", "k", "v")):
+        direction = torch.randn(leaves[i].shape, device="cuda", generator=generator)
+        eps = 1e-2
+        plus = [x.detach() + (eps * direction if j == i else 0) for j, x in enumerate(leaves)]
+        minus = [x.detach() - (eps * direction if j == i else 0) for j, x in enumerate(leaves)]
+        numeric = (loss(*plus) - loss(*minus)).item() / (2 * eps)
+        analytic = (leaves[i].grad.double() * direction).sum().item()
+        assert abs(numeric - analytic) <= 1e-2 * max(1.0, abs(analytic)), (name, numeric, analytic)
