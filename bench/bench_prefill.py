@@ -564,10 +564,24 @@ def run_fla(args, S: int, row: str):
     if h < 16 or h & (h - 1):
         raise Skip(f"fla-org parallel_nsa needs h = H/G a power of two >= 16 (h = {h})")
     try:
+        from fla.ops.nsa import parallel as fla_parallel
         from fla.ops.nsa import parallel_nsa
     except ImportError as exc:
         raise Skip(f"fla not importable ({exc})") from None
     cfg = nsa_config(args, fla_like=True)
+    impl = "fla.ops.nsa.parallel_nsa"
+    if fla_parallel.flash_attn_func is None:
+        # fla's window branch calls the flash_attn package, absent here: give it torch's own
+        # FA-2 kernel through nsa_torch_ref.fa2 (same mask: causal, window_size = (w - 1, 0)).
+        from nsa_torch_ref.fa2 import sliding_window_attention_fa2
+
+        def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
+            if not causal or window_size[1] != 0:
+                raise ValueError("this shim serves fla's causal sliding window only")
+            return sliding_window_attention_fa2(q, k, v, window_size[0] + 1)
+
+        fla_parallel.flash_attn_func = flash_attn_func
+        impl += " (window: torch FA-2 via nsa_torch_ref.fa2)"
 
     def nsa(q, k, v, gate_logits):
         gates = torch.sigmoid(gate_logits.float()).to(q.dtype)
@@ -584,7 +598,7 @@ def run_fla(args, S: int, row: str):
         return (q, k, v, g), torch.randn((args.B, S, args.H, args.dv), generator=gen,
                                          device=device).to(dtype)
 
-    base = dict(_base_record(args, row, S, cfg), impl="fla.ops.nsa.parallel_nsa")
+    base = dict(_base_record(args, row, S, cfg), impl=impl)
     return _torch_time_passes(nsa, make, args, base, device)
 
 

@@ -123,8 +123,8 @@ def test_gradcheck_finite_differences():
     differences are noise-bound. A directional derivative of a scalar loss, with a central
     difference and a large step, is accurate to ~1e-3 in float32."""
     cfg = NSAConfig(n_heads=4, n_kv_heads=2, d_k=16, d_v=24, cmp_block=16, cmp_stride=8,
-                    sel_block=16, n_sel=2)
-    (q, k, v), idx = _inputs(cfg, 1, 48, torch.float32, seed=5)
+                    sel_block=16, n_sel=3)
+    (q, k, v), idx = _inputs(cfg, 1, 80, torch.float32, seed=5)
     generator = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(q.shape[:3] + (cfg.d_v,), device="cuda", generator=generator)
 

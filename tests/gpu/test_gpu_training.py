@@ -57,10 +57,10 @@ def test_first_step_gradients_match_reference(forced, variant):
     typical = torch.stack([g.norm() for g in g_plain.values()]).median()
     for name in g_plain:
         assert torch.isfinite(g_fast[name]).all(), name
-        if g_plain[name].norm() < 1e-4 * typical:
+        if name == "cmp_k.b2":
             # cmp_k.b2 shifts every compressed key of a group alike, which adds q.b2 to all of
             # a query's compressed scores: the softmax ignores it, its gradient is exactly 0
-            # and both sides hold only rounding noise (~1e-7).
+            # and both sides hold only rounding noise (~1e-7), so no ratio is meaningful.
             assert g_fast[name].norm() < 1e-3 * typical, name
             continue
         assert rel_err(g_fast[name], g_plain[name]) < 5e-2, name  # bf16 autocast end to end
