@@ -6,25 +6,12 @@ import numpy as np
 import pytest
 
 import nsa_jax
+from jax_inputs import AUX_FLOAT, make_inputs, rel_err
 from nsa_common import NSAConfig, decode_read_bound
 from nsa_jax.decode import decode_read_bound as jnp_decode_read_bound
 
 TOL = 1e-10      # float64 decode against the float64 layer
 F32_TOL = 1e-5   # the spec's float32 tolerance
-AUX_FLOAT = ("o_cmp", "o_sel", "o_win", "gates")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite values"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def make_inputs(cfg, B, T, dtype, seed=0):
-    params = nsa_jax.init_params(jax.random.PRNGKey(seed), cfg, dtype)
-    rng = np.random.default_rng(seed)
-    params["bg"] = jnp.asarray(0.3 * rng.standard_normal(params["bg"].shape), dtype)
-    return params, jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), dtype)
 
 
 def expected_reads(cfg, t, block_idx):

@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 import nsa_jax
+from jax_inputs import AUX_FLOAT, make_inputs, rel_err
 from bruteforce import bf_nsa_layer
 from nsa_common import NSAConfig
 from nsa_jax import XlaOptions, dispatch
@@ -16,22 +17,6 @@ F32_TOL = 1e-5    # the spec's float32 output tolerance
 BF16_TOL = 1e-2   # the spec's bfloat16 tolerance
 SMALL_CHUNKS = {"xla": XlaOptions(compressed_q_chunk=16, select_q_chunk=8, selected_q_chunk=8,
                                   window_q_chunk=8)}
-AUX_FLOAT = ("o_cmp", "o_sel", "o_win", "gates")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite values"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
-
-
-def make_inputs(cfg, B, T, dtype, seed=0):
-    params = nsa_jax.init_params(jax.random.PRNGKey(seed), cfg, dtype)
-    rng = np.random.default_rng(seed)
-    # Non-zero biases so their paths are exercised too.
-    params["bg"] = jnp.asarray(0.3 * rng.standard_normal(params["bg"].shape), dtype)
-    x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), dtype)
-    return params, x
 
 
 def np_tree(tree):

@@ -1,0 +1,23 @@
+"""Shared helpers of the nsa_jax tests: random layer inputs and the relative error."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nsa_jax
+
+AUX_FLOAT = ("o_cmp", "o_sel", "o_win", "gates")
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out)), "non-finite values"
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def make_inputs(cfg, B, T, dtype, seed=0):
+    """Parameters (with non-zero gate biases, so their paths are exercised) and x [B, T, D]."""
+    params = nsa_jax.init_params(jax.random.PRNGKey(seed), cfg, dtype)
+    rng = np.random.default_rng(seed)
+    params["bg"] = jnp.asarray(0.3 * rng.standard_normal(params["bg"].shape), dtype)
+    x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), dtype)
+    return params, x
