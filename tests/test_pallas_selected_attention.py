@@ -191,6 +191,36 @@ def test_gpu_gradients_are_deterministic():
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@gpu
+@needs_gpu
+def test_gpu_256k_tokens_no_offset_overflow():
+    """T = 2^18 with H 64 and d 128: q and o hold 2^31 elements, so 32-bit element offsets
+    would wrap. Rows near the end (the largest offsets) are checked against a direct
+    computation over their gathered keys, and the gradient of q must be finite."""
+    B, T, H, G, d, l_sel, n_sel = 1, 2 ** 18, 64, 4, 128, 64, 16
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    q = jax.random.normal(keys[0], (B, T, H, d), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, T, G, d), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (B, T, G, d), jnp.bfloat16)
+    block_idx = random_block_idx(keys[3], B, T, G, n_sel, l_sel)
+    o = selected_attention(q, k, v, block_idx, l_sel)
+    h, scale = H // G, 1.0 / np.sqrt(d)
+    for t in (T - 1, T - 777, T // 2 + 5):
+        for g in (0, G - 1):
+            chosen = [j for j in np.asarray(block_idx[0, t, g]) if j >= 0]
+            tokens = np.concatenate([np.arange(j * l_sel, min((j + 1) * l_sel, t + 1))
+                                     for j in chosen])
+            qg = np.asarray(q[0, t, g * h:(g + 1) * h], np.float32)
+            scores = qg @ np.asarray(k[0, tokens, g], np.float32).T * scale
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            expected = (p / p.sum(-1, keepdims=True)) @ np.asarray(v[0, tokens, g], np.float32)
+            got = np.asarray(o[0, t, g * h:(g + 1) * h], np.float32)
+            assert np.linalg.norm(got - expected) <= 1e-2 * np.linalg.norm(expected), (t, g)
+    dq = jax.grad(lambda q: jnp.sum(selected_attention(q, k, v, block_idx, l_sel)
+                                    .astype(jnp.float32)))(q)
+    assert bool(jnp.all(jnp.isfinite(dq[0, -4096:])))
+
+
 @pytest.mark.parametrize("B,T,H,G,d_k,d_v,l_sel,n_sel,dtype", [
     (1, 300, 64, 4, 192, 128, 64, 16, jnp.bfloat16),   # the paper's shapes
     (2, 100, 2, 2, 24, 8, 12, 5, jnp.float32),         # h = 1, nothing a power of two
