@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.device == "cpu" and args.torch_backend == "triton":
+        # Triton kernels run on CPU tensors only in its interpreter, which Triton reads when the
+        # kernels are defined (first use), so it must be set before that.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Imports after parsing so that --help is instant.
     from nsa_common import NSAConfig
     from parity.report import ParitySettings, format_table, run_report, to_json
