@@ -69,6 +69,20 @@ def silence_triton_deprecation() -> None:
     warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
+def check_tile_sizes(block_sizes) -> None:
+    """Validate a kernel's frozen `BlockSizes` dataclass: every field a positive int, and every
+    `block*` field (a tile dimension) a power of two >= `MATMUL_MIN`."""
+    import dataclasses
+
+    for field in dataclasses.fields(block_sizes):
+        value = getattr(block_sizes, field.name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
+        if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
+            raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
+                             f"{MATMUL_MIN}")
+
+
 def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")

@@ -33,6 +33,7 @@ from pallas_kernels._common import (
     LN_2,
     LOG2_E,
     MATMUL_MIN,
+    check_tile_sizes,
     matmul_dim,
     next_pow2,
     pad_axis,
@@ -67,14 +68,7 @@ class BlockSizes:
     dkv_programs: int = 1024
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
-            if field.name.startswith("block_") and (value < MATMUL_MIN
-                                                    or value != next_pow2(value)):
-                raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
-                                 f"{MATMUL_MIN}")
+        check_tile_sizes(self)
 
 
 # 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).

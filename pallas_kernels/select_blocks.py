@@ -41,6 +41,7 @@ from nsa_common import NSAConfig, overlap_weights
 from pallas_kernels._common import (
     LOG2_E,
     MATMUL_MIN,
+    check_tile_sizes,
     matmul_dim,
     next_pow2,
     pad_axis,
@@ -80,13 +81,7 @@ class BlockSizes:
     num_stages: int = 2
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
-            if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
-                raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
-                                 f"{MATMUL_MIN}")
+        check_tile_sizes(self)
 
 
 def _insert_top(top_val, top_idx, score, index):

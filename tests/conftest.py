@@ -25,3 +25,12 @@ def enable_x64():
 def x64():
     with enable_x64():
         yield
+
+
+def jax_has_gpu() -> bool:
+    """Whether JAX sees a CUDA GPU (GPU-only tests skip cleanly otherwise)."""
+    import jax
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import bruteforce as bf
+from conftest import jax_has_gpu
 from nsa_common import NSAConfig
 from pallas_kernels.compressed_attention import (
     BlockSizes,
@@ -141,15 +142,8 @@ def test_bad_inputs_raise_value_error():
         BlockSizes(block_q=24)
 
 
-def _has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_matches_reference(dtype):
     case = (1, 1000, 16, 4, 64, 32, 32, 16)

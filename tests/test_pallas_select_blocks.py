@@ -4,12 +4,12 @@ must agree exactly; the exact ties of the spec (forced blocks, zero scores) are 
 on both sides."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import bruteforce as bf
+from conftest import jax_has_gpu
 from nsa_common import NSAConfig
 from pallas_kernels.compressed_attention import (
     compressed_attention,
@@ -130,15 +130,8 @@ def test_bad_inputs_raise_value_error():
         BlockSizes(block_sel=8)
 
 
-def _has_gpu():
-    try:
-        return bool(jax.devices("gpu"))
-    except RuntimeError:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a CUDA GPU")
 def test_gpu_matches_reference():
     q, k = make_inputs(4, 1, 2000, 16, 4, 64, 32, 16)
     kw = selection(32, 16, 64, 16, 1, 2)
