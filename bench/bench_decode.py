@@ -10,7 +10,9 @@ Per point (B, S):
                    the same step with only that branch's attention (same projections, cache
                    appends and output projection; the other branch outputs are zeros): its time
                    as a share of the full step is the breakdown. `sel` includes the compressed
-                   scores it ranks (selection cannot run without them).
+                   scores it ranks (selection cannot run without them). With --backend pallas
+                   (the GPU default) the window is computed in the same kernel as the selected
+                   branch, so `sel` includes it and `win` is written as skipped.
   nsa_jax / base   the step with no attention at all (projections, appends, gates, output), so
                    `attn_ms = ms - base_ms` isolates each branch's attention.
   full_<impl>      a full-attention layer step at the same B and S: q/k/v projections, in-place
@@ -37,6 +39,7 @@ CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --di
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -139,7 +142,7 @@ def cache_bytes(cache) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(cache))
 
 
-def branch_only_step(mode: str):
+def branch_only_step(mode: str, backend: str = "xla"):
     """A decode step computing only branch `mode` (cmp, sel, win) or no attention ("base").
 
     It mirrors `nsa_jax.decode.decode_step` with the same helpers, so the only difference from
@@ -185,7 +188,16 @@ def branch_only_step(mode: str):
         zeros = jnp.zeros((B, 1), jnp.int32)
         o_zero = jnp.zeros((B, 1, cfg.n_heads, cfg.d_v), q.dtype)
         o = {"cmp": o_zero, "sel": o_zero, "win": o_zero}
-        if mode in ("cmp", "sel"):
+        if backend == "pallas":
+            if mode == "win":
+                raise Skip("the pallas decode kernel computes the window together with the "
+                           "selected branch: see the sel row")
+            if mode in ("cmp", "sel"):
+                o_cmp, o_sel = _pallas_branches(cfg, cache, q, t, mode)
+                o[mode] = o_cmp if mode == "cmp" else o_sel
+            elif mode != "base":
+                raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
+        elif mode in ("cmp", "sel"):
             n_slots = cache.k_cmp.shape[1]
             cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
             p_cmp, _ = D.cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
@@ -211,6 +223,31 @@ def branch_only_step(mode: str):
         return y, cache
 
     return step
+
+
+def _pallas_branches(cfg, cache, q, t, mode: str):
+    """The pallas decode path up to `mode`: (o_cmp, None) for "cmp"; (None, o_sel) for "sel",
+    which runs the compressed kernel, the block ranking and the fused selected+window kernel."""
+    import jax.numpy as jnp
+    from nsa_jax import decode as D
+    from pallas_kernels import decode as K
+
+    import jax
+
+    run = dict(interpret=jax.default_backend() != "gpu")  # as nsa_jax's PallasOptions default
+    q1 = q[:, 0]
+    o_cmp, _, p_group = K.decode_compressed(q1, cache.k_cmp, cache.v_cmp, t,
+                                            cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
+                                            scale=cfg.scale, **run)
+    if mode == "cmp":
+        return o_cmp[:, None], None
+    scores = D.band_scores(p_group, cfg, D.num_sel_blocks(cfg, cache.max_len))
+    q_pos = jnp.full((q.shape[0], 1), t, jnp.int32)
+    block_idx = D.top_blocks(scores[:, None], q_pos[..., None], cfg)
+    o_sel, _ = K.decode_selected_window(q1, cache.k_sel, cache.v_sel, block_idx[:, 0],
+                                        cache.k_win, cache.v_win, t, sel_block=cfg.sel_block,
+                                        window=cfg.window, scale=cfg.scale, **run)
+    return None, o_sel[:, None]
 
 
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
@@ -261,10 +298,12 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     records = []
     cache = fresh_cache()
     size_mb = common.mb(cache_bytes(cache))
-    full = _base(args, "nsa_jax", B, S, mode="full", impl="nsa_jax.decode_step (xla)",
-                 cache_mb=size_mb, reads_formula=formula, reads_full=S + 1)
+    full = _base(args, "nsa_jax", B, S, mode="full",
+                 impl=f"nsa_jax.decode_step ({args.backend})", cache_mb=size_mb,
+                 reads_formula=formula, reads_full=S + 1)
+    decode_step = functools.partial(nsa_jax.decode_step, backend=args.backend)
     try:
-        timing, first_reads = _timed_decode(nsa_jax.decode_step, params, cfg, cache, xs, args)
+        timing, first_reads = _timed_decode(decode_step, params, cfg, cache, xs, args)
         del cache
         reads = {k: int(v) for k, v in first_reads.items()}
         full.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
@@ -282,10 +321,10 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     modes = (BRANCHES if args.branch_force_mode == "none" else (args.branch_force_mode,))
     timings = {}
     for mode in (*modes, "base"):
-        record = _base(args, "nsa_jax", B, S, mode=mode, impl=f"nsa_jax decode, {mode} only",
-                       cache_mb=size_mb)
+        record = _base(args, "nsa_jax", B, S, mode=mode,
+                       impl=f"nsa_jax decode ({args.backend}), {mode} only", cache_mb=size_mb)
         try:
-            step = branch_only_step(mode)
+            step = branch_only_step(mode, args.backend)
             timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args)
             timings[mode] = timing.ms
             record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
@@ -468,6 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", default="artifacts/bench/decode.csv",
                    help="CSV path; the PNG, summary and env JSON go beside it")
     p.add_argument("--branch_force_mode", default="none", choices=("none", *BRANCHES))
+    p.add_argument("--backend", default=None, choices=("xla", "pallas"),
+                   help="nsa_jax decode_step backend (default: pallas on gpu, xla on cpu)")
     p.add_argument("--no_breakdown", dest="breakdown", action="store_false",
                    help="skip the per-branch steps")
     p.add_argument("--full_impls", default="auto",
@@ -494,6 +535,8 @@ def parse_args(argv=None):
             raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
     if args.warmup < 0:
         raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.backend is None:
+        args.backend = "pallas" if args.device == "gpu" else "xla"
     if args.full_impls == "auto":
         args.full_order = ["fa3", "cudnn"] if args.device == "gpu" else ["xla"]
     else:
@@ -542,8 +585,8 @@ def main(argv=None) -> int:
         records += new
     add_speedups(records, args.full_order)
     common.write_csv(args.csv, records, COLUMNS)
-    title = (f"NSA decode: H={args.heads} G={args.groups} dk={args.dk} dv={args.dv} {args.dtype} "
-             f"force={args.branch_force_mode} on {args.device_label} "
+    title = (f"NSA decode ({args.backend}): H={args.heads} G={args.groups} dk={args.dk} "
+             f"dv={args.dv} {args.dtype} force={args.branch_force_mode} on {args.device_label} "
              f"(commit {env['commit'][:10]})")
     png = stem + ".png"
     plot(records, png, title)

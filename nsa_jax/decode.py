@@ -22,7 +22,7 @@ from nsa_jax.layer import check_layer_inputs, combine, forward_unchecked, projec
 from nsa_jax.xla.common import einsum, merge_heads
 from nsa_jax.xla.compress import compress_blocks
 from nsa_jax.xla.compressed_attention import cmp_probabilities
-from nsa_jax.xla.select_blocks import sel_scores, top_blocks
+from nsa_jax.xla.select_blocks import band_scores, sel_scores, top_blocks
 from nsa_jax.xla.selected_attention import selected_chunk
 from nsa_jax.xla.sliding_window import window_chunk
 
@@ -152,9 +152,17 @@ def decode_read_bound(cfg: NSAConfig, t: jax.Array) -> jax.Array:
     return (cmp_blocks + cfg.n_sel * cfg.sel_block + cfg.window).astype(jnp.int32)
 
 
+DECODE_BACKENDS = ("xla", "pallas")
+
+
 def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
-                return_aux: bool = False):
+                return_aux: bool = False, backend: str = "xla", options=None):
     """Append one token per sequence and attend. x_t `[B, 1, d_model]`, token t = cache.pos.
+
+    backend: "xla" (the XLA path's chunk functions) or "pallas" (`pallas_kernels.decode`: one
+    kernel for the compressed branch and the selection probabilities, one for the selected and
+    window branches; the block ranking stays in XLA). options: `{"pallas": PallasOptions(...)}`
+    (interpret mode, decode tile sizes).
 
     -> `(y_t [B, 1, d_model], cache, reads)`, plus `aux` (o_cmp, o_sel, o_win `[B, 1, H, d_v]`,
     gates `[B, 1, H, 3]`, block_idx int32 `[B, 1, G, n_sel]`) when `return_aux`.
@@ -168,14 +176,18 @@ def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
     if x_t.shape[1] != 1:
         raise ValueError(f"x_t must hold one token per sequence ([B, 1, d_model]), got "
                          f"{x_t.shape}")
+    if backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend ({backend!r}) must be one of {DECODE_BACKENDS}")
     _check_cache(cache, cfg, B)
-    out = _decode_step_jit(params, x_t, cache, cfg=cfg)
+    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=backend,
+                           options=dispatch.static_options(options))
     chex.assert_shape(out[0], x_t.shape)
     return out if return_aux else out[:3]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "options"))
+def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend: str = "xla",
+                     options=None):
     B = x_t.shape[0]
     l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
     t = cache.pos
@@ -201,6 +213,10 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig):
     q_pos = jnp.full((B, 1), t, jnp.int32)
     zeros = jnp.zeros((B, 1), jnp.int32)
 
+    if backend == "pallas":
+        o_cmp, o_sel, o_win, block_idx = _attend_pallas(q, cache, cfg, t, dict(options or ()))
+        return _finish_step(params, x_t, cfg, cache, t, q, o_cmp, o_sel, o_win, block_idx)
+
     # Compressed branch and selection scores: block i is admissible iff i*d + l - 1 <= t.
     n_slots = cache.k_cmp.shape[1]
     cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
@@ -215,7 +231,36 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig):
     ring_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring       # token in each slot
     o_win = window_chunk(q, cache.k_win, cache.v_win, ring_token, q_pos, zeros, cfg.window,
                          scale)
-    y, gates = combine(params, x_t, cfg, o_cmp.astype(q.dtype), o_sel, o_win)
+    return _finish_step(params, x_t, cfg, cache, t, q, o_cmp.astype(q.dtype), o_sel, o_win,
+                        block_idx)
+
+
+def _attend_pallas(q, cache: DecodeCache, cfg: NSAConfig, t, options: dict):
+    """The three branch outputs `[B, 1, H, d_v]` and block_idx `[B, 1, G, n_sel]` of token t
+    through `pallas_kernels.decode`."""
+    from nsa_jax.pallas_backend import DEFAULT_OPTIONS
+    from pallas_kernels import decode as kernels
+
+    opts = options.get("pallas", DEFAULT_OPTIONS)
+    run = dict(block_sizes=opts.decode_blocks, interpret=opts.resolve_interpret())
+    q1 = q[:, 0]
+    o_cmp, _, p_group = kernels.decode_compressed(
+        q1, cache.k_cmp, cache.v_cmp, t, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
+        scale=cfg.scale, **run)
+    scores = band_scores(p_group, cfg, num_sel_blocks(cfg, cache.max_len))     # [B, G, S]
+    q_pos = jnp.full((q.shape[0], 1), t, jnp.int32)
+    block_idx = top_blocks(scores[:, None], q_pos[..., None], cfg)            # [B, 1, G, n_sel]
+    o_sel, o_win = kernels.decode_selected_window(
+        q1, cache.k_sel, cache.v_sel, block_idx[:, 0], cache.k_win, cache.v_win, t,
+        sel_block=cfg.sel_block, window=cfg.window, scale=cfg.scale, **run)
+    return o_cmp[:, None], o_sel[:, None], o_win[:, None], block_idx
+
+
+def _finish_step(params, x_t, cfg: NSAConfig, cache: DecodeCache, t, q, o_cmp, o_sel, o_win,
+                 block_idx):
+    """Gate and project the branch outputs; count the tokens read."""
+    l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+    y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
 
     block_tokens = jnp.minimum(l_sel, t - block_idx * l_sel + 1)
     sel_reads = jnp.max(jnp.sum(jnp.where(block_idx >= 0, block_tokens, 0), axis=-1))
@@ -224,6 +269,5 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig):
     reads = dict(cmp=cmp_reads, sel=sel_reads, win=win_reads,
                  total=cmp_reads + sel_reads + win_reads, bound=decode_read_bound(cfg, t))
     reads = {k: v.astype(jnp.int32) for k, v in reads.items()}
-    aux = dict(o_cmp=o_cmp.astype(q.dtype), o_sel=o_sel, o_win=o_win, gates=gates,
-               block_idx=block_idx)
+    aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     return y, cache, reads, aux

@@ -20,6 +20,7 @@ from nsa_common import NSAConfig
 cmp_kernel = importlib.import_module("pallas_kernels.compressed_attention")
 select_kernel = importlib.import_module("pallas_kernels.select_blocks")
 sel_kernel = importlib.import_module("pallas_kernels.selected_attention")
+decode_kernel = importlib.import_module("pallas_kernels.decode")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +29,15 @@ class PallasOptions:
 
     interpret: run the kernels in Pallas' interpreter; None (default) means "when JAX's default
     backend is not a GPU", so the same code runs, slowly but exactly, on a CPU.
-    *_blocks: each kernel's tile sizes (None: the kernel's defaults, tuned on an H200).
+    *_blocks: each kernel's tile sizes (None: the kernel's defaults, tuned on an H200);
+    decode_blocks: those of `decode_step(..., backend="pallas")`.
     """
 
     interpret: Optional[bool] = None
     compressed_blocks: Optional[cmp_kernel.BlockSizes] = None
     select_blocks: Optional[select_kernel.BlockSizes] = None
     selected_blocks: Optional[sel_kernel.BlockSizes] = None
+    decode_blocks: Optional[decode_kernel.DecodeBlockSizes] = None
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:

@@ -218,7 +218,9 @@ def _select_rows(p_cmp: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
     """
     C = p_cmp.shape[-1]
     overlap = torch.from_numpy(overlap_weights(cfg, C, n_sel_blocks)).to(p_cmp)  # [C, S]
-    score = (p_cmp @ overlap).sum(dim=3)  # p_sel per head, then summed over the group: [B,Tq,G,S]
+    # sum_heads(p_cmp @ M) = sum_heads(p_cmp) @ M: summing the group's heads first makes the
+    # matmul h times smaller (at 64k tokens, h = 16: 1.1 instead of 17.6 TFLOP in float32).
+    score = p_cmp.sum(dim=3) @ overlap  # [B, Tq, G, S]
 
     block = torch.arange(n_sel_blocks, device=p_cmp.device)[None, :]
     last = (q_pos // cfg.sel_block)[:, None]  # newest eligible block per query

@@ -190,6 +190,34 @@ def test_branch_only_step_is_decode_step_with_forced_gates():
         assert np.linalg.norm(np.asarray(y_other) - np.asarray(y_ref)) > 1e-3 * scale, branch
 
 
+def test_pallas_branch_only_steps_are_decode_step_with_forced_gates():
+    """The same for --backend pallas (Pallas interpret mode on the CPU): cmp and sel (whose
+    kernel also computes the window); win is skipped with a reason."""
+    import functools
+
+    import jax
+    import nsa_jax
+
+    cfg = NSAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=3, window=12)
+    B, S, max_len = 2, 45, 64
+    params = bench_decode.init_params(cfg, jax.numpy.float32)
+    cache = bench_decode.random_cache(nsa_jax.init_cache(cfg, B, max_len), S,
+                                      jax.random.PRNGKey(1))
+    x_t = jax.random.normal(jax.random.PRNGKey(2), (B, 1, cfg.d_model))
+    decode = jax.jit(functools.partial(nsa_jax.decode_step, backend="pallas"),
+                     static_argnums=2)
+    for branch in ("cmp", "sel"):
+        forced = bench_decode.force_gates(params, cfg, branch)
+        y_ref, _, _ = decode(forced, x_t, cfg, cache)
+        step = jax.jit(bench_decode.branch_only_step(branch, "pallas"), static_argnums=2)
+        y, _ = step(forced, x_t, cfg, cache)
+        err = np.linalg.norm(np.asarray(y) - np.asarray(y_ref)) / np.linalg.norm(y_ref)
+        assert err <= RTOL, (branch, err)
+    with pytest.raises(bench_decode.Skip, match="window"):
+        bench_decode.branch_only_step("win", "pallas")(params, x_t, cfg, cache)
+
+
 def test_force_gates_rejects_unknown_branch():
     import jax.numpy as jnp
 

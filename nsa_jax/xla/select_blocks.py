@@ -48,6 +48,29 @@ def sel_scores(p_cmp: jax.Array, overlap: jax.Array) -> jax.Array:
     return einsum("...gc,cs->...gs", jnp.sum(p_cmp, axis=-2), overlap, p_cmp.dtype)
 
 
+def band_scores(p_group: jax.Array, cfg: NSAConfig, n_sel_blocks: int) -> jax.Array:
+    """`sel_scores` for probabilities already summed over the heads: p_group `[..., C]` ->
+    `[..., n_sel_blocks]`, without the dense `[C, n_sel_blocks]` overlap matrix.
+
+    The overlap weight of compressed block i and selection block j depends only on
+    `i - j * r` (r = l_sel / d, an integer by the config's checks): block j sums
+    `f(m) * p[j*r + m]` over the few m with `f(m) = |[m*d, m*d + l) & [0, l_sel)| / d > 0`
+    (5 strided slices with the paper's sizes), p being 0 outside `[0, C)`.
+    """
+    l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+    r, left = l_sel // d, l // d - 1          # m runs over [-left, r - 1]
+    C = p_group.shape[-1]
+    width = n_sel_blocks * r                  # p[j*r + m] for j < n_sel_blocks, m < r
+    widths = [(0, 0)] * (p_group.ndim - 1) + [(left, max(0, width - C))]
+    padded = jnp.pad(p_group, widths)[..., :left + width]
+    total = jnp.zeros(p_group.shape[:-1] + (n_sel_blocks,), p_group.dtype)
+    for m in range(-left, r):
+        weight = (min(m * d + l, l_sel) - max(m * d, 0)) / d
+        if weight > 0:
+            total = total + weight * padded[..., left + m:left + m + width:r]
+    return total
+
+
 def select_blocks(q: jax.Array, k_cmp: jax.Array, cfg: NSAConfig, *, scale: float,
                   lse: Optional[jax.Array] = None, segments: Optional[Segments] = None,
                   options: Optional[XlaOptions] = None) -> jax.Array:

@@ -1,0 +1,410 @@
+"""NSA decode attention as Pallas GPU kernels: one new query per sequence, forward only.
+
+A decode step attends one token per batch row, at position `t` (the same for every row: the
+cache's position), with the K/V already in the cache. The XLA decode path runs this as a dozen
+small XLA ops per branch and upcasts through float32 matmuls; here each branch is one pass over
+exactly the keys it reads, one program per (batch row, KV head) holding the group's `h` query
+heads as rows (padded to the 16 a matrix-unit product needs).
+
+- `decode_compressed`: walks the compressed blocks visible to `t` (`i*d + l - 1 <= t`) in
+  tiles of `block_cmp`, keeps an online softmax in float32 and writes o_cmp, the log-sum-exp and
+  the scores of every slot (log2 domain, masked slots at MASK). The wrapper turns the scores into
+  the group's summed probabilities `[B, G, C]` in one fused XLA reduction, so the selection
+  needs no second pass over k_cmp (the scores are `h * C` floats per program, 16x smaller than
+  the keys they come from at d_k = 128... and 4 bytes each: written once, read once).
+- `decode_selected_window`: the `n_sel` selected blocks of the selection cache (keys `<= t`),
+  then the sliding-window ring buffer (token `t - (t - s) mod W` in slot `s`; keys
+  `> t - w`), each with its own online softmax.
+
+The caches are not copied: a tile that would run past the end of an array starts earlier so that
+it ends at the array's end, and the slots it shares with the previous tile are masked out. An
+array shorter than one tile, or a head dimension that is not a power of two >= 16, is padded
+(a copy per call, e.g. the paper's d_k = 192).
+
+Lowering: the Pallas Triton lowering (`implementation="triton"`); `"xla"` runs the plain-JAX
+references below, which the tests compare with the kernels in interpret mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import (
+    LOG2_E,
+    LN_2,
+    check_implementation,
+    check_tile_sizes,
+    matmul_dim,
+    next_pow2,
+    pad_axis,
+    silence_triton_deprecation,
+    triton_compiler_params,
+)
+
+__all__ = [
+    "DecodeBlockSizes",
+    "decode_compressed",
+    "decode_compressed_reference",
+    "decode_selected_window",
+    "decode_selected_window_reference",
+]
+
+# A large finite negative score: masked columns stay finite, so no inf - inf appears anywhere.
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Tile sizes of the decode kernels (defaults measured on an H200 at B 32, S 64k).
+
+    block_cmp: compressed slots per tile; block_win: window ring slots per tile (both powers of
+    two >= 16). The selected branch's tile is the selection block (rounded up to a power of 2).
+    """
+
+    block_cmp: int = 64
+    block_win: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_tile_sizes(self)
+
+
+def _dot(a, b, *, trans_b: bool = False):
+    """`a @ b` (b optionally transposed), float32 accumulation; IEEE float32 for fp32 operands."""
+    dims = (((1,), (0 if not trans_b else 1,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+
+
+def _tile(first, size: int, length: int):
+    """Start of the `size`-slot tile that covers slots `[first, first + size)` of an array of
+    `length >= size` slots without running past its end, and the `[1, size]` slot indices."""
+    start = jnp.minimum(first, length - size)
+    return start, start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
+
+
+def _online_step(carry, s, v):
+    """One online-softmax update with scores `s [rows, n]` (log2 domain, MASK where masked)."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    correction = jnp.exp2(m - m_new)
+    p = jnp.where(s > 0.5 * MASK, jnp.exp2(s - m_new[:, None]), 0.0)
+    l = l * correction + jnp.sum(p, axis=1)
+    acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
+def _init(rows: int, dv: int):
+    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def _finish(carry):
+    """(o, lse in log2) of an online softmax; a row that saw no key gets o = 0, lse = -inf."""
+    acc, m, l = carry
+    empty = m < 0.5 * MASK
+    l_safe = jnp.where(empty, 1.0, l)
+    o = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    return o, jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels (grid: batch row, KV head)
+
+
+def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
+                cmp_stride, block, n_cmp):
+    """t_ref [1]; q_ref [h_pad, dk_pad]; k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from
+    n_cmp on are padding); o_ref [h_pad, dv_pad]; lse_ref [h_pad] (natural log);
+    s_ref [h_pad, C_pad] (log2 scores)."""
+    n_slots = k_ref.shape[0]
+    t = t_ref[0]
+    # Blocks visible to t: i*d + l - 1 <= t, written with a non-negative numerator (Triton's
+    # integer division truncates).
+    visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0), cmp_stride),
+                          n_cmp)
+    q = q_ref[...]
+    scale_log2 = scale * LOG2_E
+    n_tiles = lax.div(visible + block - 1, block)
+
+    def visit(i, carry):
+        first = i * block
+        start, slot = _tile(first, block, n_slots)
+        k = k_ref[pl.ds(start, block), :]
+        v = v_ref[pl.ds(start, block), :]
+        s = jnp.where((slot >= first) & (slot < visible), _dot(q, k, trans_b=True) * scale_log2,
+                      MASK)
+        new = jnp.broadcast_to(slot >= first, s.shape)
+        pltriton.store(s_ref.at[:, pl.ds(start, block)], s, mask=new)
+        return _online_step(carry, s, v)
+
+    carry = lax.fori_loop(0, n_tiles, visit, _init(*o_ref.shape))
+
+    def blank(i, unused):
+        first = i * block
+        start, slot = _tile(first, block, n_slots)
+        rows = s_ref.shape[0]
+        pltriton.store(s_ref.at[:, pl.ds(start, block)], jnp.full((rows, block), MASK, jnp.float32),
+                       mask=jnp.broadcast_to(slot >= first, (rows, block)))
+        return unused
+
+    lax.fori_loop(n_tiles, lax.div(n_slots + block - 1, block), blank, 0)
+    o, lse_log2 = _finish(carry)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse_log2 * LN_2
+
+
+def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ow_ref, *,
+                    scale, sel_block, tile, window, block_win, ring):
+    """t_ref [1]; idx_ref [n_sel_pad] (-1 = none); q_ref [h_pad, dk_pad];
+    ks_ref [L, dk_pad], vs_ref [L, dv_pad] (every token); kw_ref [W_pad, dk_pad],
+    vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot s < ring holds token
+    t - (t - s) mod ring); os_ref, ow_ref [h_pad, dv_pad]."""
+    t = t_ref[0]
+    q = q_ref[...]
+    scale_log2 = scale * LOG2_E
+    length, ring_pad = ks_ref.shape[0], kw_ref.shape[0]
+
+    def visit_block(slot, carry):
+        j = idx_ref[slot]
+        live = (j >= 0) & (j * sel_block <= t)
+        first = jnp.where(live, j, 0) * sel_block
+        start, pos = _tile(first, tile, length)
+        k = ks_ref[pl.ds(start, tile), :]
+        v = vs_ref[pl.ds(start, tile), :]
+        keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
+        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        return _online_step(carry, s, v)
+
+    carry = lax.fori_loop(0, idx_ref.shape[0], visit_block, _init(*os_ref.shape))
+    o_sel, _ = _finish(carry)
+    os_ref[...] = o_sel.astype(os_ref.dtype)
+
+    def visit_ring(i, carry):
+        first = i * block_win
+        start, slot = _tile(first, block_win, ring_pad)
+        k = kw_ref[pl.ds(start, block_win), :]
+        v = vw_ref[pl.ds(start, block_win), :]
+        token = t - lax.rem(t - slot + ring, ring)   # > 0 for real slots (s < ring): the modulo
+        keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
+        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        return _online_step(carry, s, v)
+
+    n_ring_tiles = -(-ring_pad // block_win)
+    carry = lax.fori_loop(0, n_ring_tiles, visit_ring, _init(*ow_ref.shape))
+    o_win, _ = _finish(carry)
+    ow_ref[...] = o_win.astype(ow_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers
+
+
+def _pallas_call(kernel, *, name, block_sizes: DecodeBlockSizes, interpret, **kwargs):
+    if not interpret:
+        silence_triton_deprecation()
+    return pl.pallas_call(kernel, name=name, interpret=interpret,
+                          compiler_params=triton_compiler_params(block_sizes.num_warps,
+                                                                 block_sizes.num_stages),
+                          **kwargs)
+
+
+def _query_rows(q, n_groups: int, dk_pad: int):
+    """q [B, H, d_k] -> [B, G, h_pad, dk_pad] (zero rows and features for the padding)."""
+    B, H, dk = q.shape
+    h = H // n_groups
+    rows = q.reshape(B, n_groups, h, dk)
+    return pad_axis(pad_axis(rows, 2, matmul_dim(h)), 3, dk_pad)
+
+
+def _cache(x, min_len: int, d_pad: int):
+    """A `[B, S, G, d]` cache as the kernels read it: padded only where it must be (S shorter
+    than a tile, d not a power of two >= 16)."""
+    return pad_axis(pad_axis(x, 1, max(min_len, x.shape[1])), 3, d_pad)
+
+
+def _position(t):
+    t = jnp.asarray(t)
+    if t.shape != () or not jnp.issubdtype(t.dtype, jnp.integer):
+        raise ValueError(f"t must be an integer scalar (the query's position), got "
+                         f"{t.dtype}{list(t.shape)}")
+    return t.astype(jnp.int32).reshape(1)
+
+
+def _check_group_inputs(q, caches: dict, d_v_of: str):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, H, d_k] (one query per sequence), got shape {q.shape}")
+    B, H, dk = q.shape
+    G = None
+    for name, x in caches.items():
+        if x.ndim != 4 or x.shape[0] != B:
+            raise ValueError(f"{name} must be [B={B}, S, G, d], got shape {x.shape}")
+        if G is None:
+            G = x.shape[2]
+        if x.shape[2] != G:
+            raise ValueError(f"{name} has {x.shape[2]} KV heads, expected {G}")
+        if name.startswith("k") and x.shape[3] != dk:
+            raise ValueError(f"{name} has d_k {x.shape[3]}, q has {dk}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype}, q has {q.dtype}")
+    if H % G:
+        raise ValueError(f"q's {H} heads are not a multiple of the caches' {G} KV heads")
+    return B, H, G, dk, caches[d_v_of].shape[3]
+
+
+def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, scale: float,
+                      block_sizes: Optional[DecodeBlockSizes] = None,
+                      interpret: bool = False, implementation: str = "triton"):
+    """Compressed attention of one query per sequence, and its selection probabilities.
+
+    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_cmp `[B, C, G, d_k]`,
+    v_cmp `[B, C, G, d_v]`: compressed slots in block order (slot i is admissible iff
+    `i*cmp_stride + cmp_block - 1 <= t`; later slots are ignored whatever they hold).
+    Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, p_group [B, G, C] float32)`:
+    p_group[b, g, i] is the softmax probability of slot i summed over the group's heads (0 for
+    slots not admissible), the input of the block selection. A query with no admissible block
+    gets o = 0, lse = -inf, p_group = 0.
+    """
+    check_implementation(implementation)
+    B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
+    if k_cmp.shape[1] != v_cmp.shape[1]:
+        raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
+    t = _position(t)
+    if implementation == "xla":
+        return decode_compressed_reference(q, k_cmp, v_cmp, t[0], cmp_block=cmp_block,
+                                           cmp_stride=cmp_stride, scale=scale)
+    bs = block_sizes or DecodeBlockSizes()
+    h, C = H // G, k_cmp.shape[1]
+    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(H // G)
+    kc, vc = _cache(k_cmp, bs.block_cmp, dk_pad), _cache(v_cmp, bs.block_cmp, dv_pad)
+    n_slots = kc.shape[1]
+    kernel = functools.partial(_cmp_kernel, scale=float(scale), cmp_block=cmp_block,
+                               cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C)
+    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),
+                                           lambda b, g: (b, g) + (0,) * len(tail))
+    cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d), lambda b, g: (b, 0, g, 0))
+    o, lse, s = _pallas_call(
+        kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret, grid=(B, G),
+        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(h_pad, dk_pad),
+                  cache_spec(dk_pad), cache_spec(dv_pad)],
+        out_specs=[per_group(h_pad, dv_pad), per_group(h_pad), per_group(h_pad, n_slots)],
+        out_shape=[jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), q.dtype),
+                   jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, h_pad, n_slots), jnp.float32)],
+    )(t, _query_rows(q, G, dk_pad), kc, vc)
+    lse = lse[:, :, :h]
+    # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
+    lse_log2 = jnp.where(jnp.isfinite(lse), lse * LOG2_E, 0.0)
+    s = s[:, :, :h, :C]
+    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - lse_log2[..., None]), 0.0), axis=2)
+    return (o[:, :, :h, :dv].reshape(B, H, dv), lse.reshape(B, H), p_group)
+
+
+def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
+                           window: int, scale: float,
+                           block_sizes: Optional[DecodeBlockSizes] = None,
+                           interpret: bool = False, implementation: str = "triton"):
+    """Selected and sliding-window attention of one query per sequence.
+
+    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_sel `[B, L, G, d_k]`,
+    v_sel `[B, L, G, d_v]`: every cached token by position (tokens after t are ignored);
+    block_idx int `[B, G, n_sel]` (-1 = none; block j is tokens `[j*sel_block, (j+1)*sel_block)`);
+    k_win `[B, W, G, d_k]`, v_win `[B, W, G, d_v]`: the ring buffer, token s in slot `s mod W`
+    (W >= min(window, t + 1)). Returns `(o_sel, o_win)`, each `[B, H, d_v]` in q's dtype.
+    """
+    check_implementation(implementation)
+    B, H, G, dk, dv = _check_group_inputs(
+        q, {"k_sel": k_sel, "v_sel": v_sel, "k_win": k_win, "v_win": v_win}, "v_sel")
+    if block_idx.ndim != 3 or block_idx.shape[:2] != (B, G):
+        raise ValueError(f"block_idx must be [B={B}, G={G}, n_sel], got shape {block_idx.shape}")
+    if v_win.shape[3] != dv:
+        raise ValueError(f"v_win has d_v {v_win.shape[3]}, v_sel has {dv}")
+    t = _position(t)
+    if implementation == "xla":
+        return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t[0],
+                                                sel_block=sel_block, window=window, scale=scale)
+    bs = block_sizes or DecodeBlockSizes()
+    h = H // G
+    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
+    tile = matmul_dim(sel_block)
+    ks, vs = _cache(k_sel, tile, dk_pad), _cache(v_sel, tile, dv_pad)
+    kw, vw = _cache(k_win, bs.block_win, dk_pad), _cache(v_win, bs.block_win, dv_pad)
+    ring = k_win.shape[1]
+    n_sel_pad = next_pow2(block_idx.shape[2])
+    idx = pad_axis(block_idx.astype(jnp.int32), 2, n_sel_pad, value=-1)
+    kernel = functools.partial(_sel_win_kernel, scale=float(scale), sel_block=sel_block,
+                               tile=tile, window=window, block_win=bs.block_win, ring=ring)
+    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),
+                                           lambda b, g: (b, g) + (0,) * len(tail))
+    cache_spec = lambda n, d: pl.BlockSpec((None, n, None, d), lambda b, g: (b, 0, g, 0))
+    out = jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), q.dtype)
+    o_sel, o_win = _pallas_call(
+        kernel, name="nsa_decode_selected_window", block_sizes=bs, interpret=interpret,
+        grid=(B, G),
+        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(n_sel_pad),
+                  per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),
+                  cache_spec(ks.shape[1], dv_pad), cache_spec(kw.shape[1], dk_pad),
+                  cache_spec(kw.shape[1], dv_pad)],
+        out_specs=[per_group(h_pad, dv_pad), per_group(h_pad, dv_pad)],
+        out_shape=[out, out],
+    )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
+    unpad = lambda o: o[:, :, :h, :dv].reshape(B, H, dv)
+    return unpad(o_sel), unpad(o_win)
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-JAX references (dense masks; float32 softmax)
+
+
+def _masked_attention(q, k, v, allowed, scale):
+    """q [B, G, h, dk], k [B, S, G, dk], v [B, S, G, dv], allowed [B?, G?, S] -> o [B, G, h, dv]
+    and lse [B, G, h] (natural log, -inf on empty rows, o = 0 there)."""
+    s = jnp.einsum("bghd,bsgd->bghs", q, k, preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST) * scale
+    allowed = jnp.broadcast_to(allowed[:, :, None, :], s.shape)
+    m = jnp.max(jnp.where(allowed, s, -jnp.inf), axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(allowed, jnp.exp(s - m), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(total > 0, total, 1.0)
+    o = jnp.einsum("bghs,bsgd->bghd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    lse = jnp.where(total[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0))[..., 0],
+                    -jnp.inf)
+    return o, lse, p
+
+
+def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
+                                scale: float):
+    """`decode_compressed` in plain JAX."""
+    B, H, dk = q.shape
+    G, C = k_cmp.shape[2], k_cmp.shape[1]
+    qg = q.reshape(B, G, H // G, dk)
+    slot = jnp.arange(C)
+    allowed = jnp.broadcast_to(slot * cmp_stride + cmp_block - 1 <= t, (B, G, C))
+    o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
+    return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
+
+
+def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t, *,
+                                     sel_block: int, window: int, scale: float):
+    """`decode_selected_window` in plain JAX."""
+    B, H, dk = q.shape
+    G, L, ring = k_sel.shape[2], k_sel.shape[1], k_win.shape[1]
+    qg = q.reshape(B, G, H // G, dk)
+    pos = jnp.arange(L)
+    chosen = jnp.any((block_idx[..., None] >= 0)
+                     & (pos // sel_block == block_idx[..., None]), axis=2)    # [B, G, L]
+    o_sel, _, _ = _masked_attention(qg, k_sel, v_sel, chosen & (pos <= t), scale)
+    slot = jnp.arange(ring)
+    token = t - (t - slot) % ring
+    in_window = jnp.broadcast_to((token >= 0) & (token > t - window), (B, G, ring))
+    o_win, _, _ = _masked_attention(qg, k_win, v_win, in_window, scale)
+    return (o_sel.reshape(B, H, -1).astype(q.dtype), o_win.reshape(B, H, -1).astype(q.dtype))

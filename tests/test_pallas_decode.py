@@ -1,0 +1,241 @@
+"""Pallas decode kernels (`pallas_kernels.decode`) in interpret mode against their plain-JAX
+references and a NumPy brute force, the banded selection scores against the dense overlap
+matrix, and `decode_step(..., backend="pallas")` against the full layer at every position."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa_jax
+from conftest import jax_has_gpu
+from jax_inputs import make_inputs, rel_err
+from nsa_common import NSAConfig, overlap_weights
+from nsa_jax.pallas_backend import PallasOptions
+from nsa_jax.xla.select_blocks import band_scores
+from pallas_kernels import decode as D
+
+F32_TOL = 1e-5
+
+
+def _inputs(B, H, G, dk, dv, C, L, ring, dtype, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 7)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
+    return dict(q=normal(keys[0], (B, H, dk)),
+                k_cmp=normal(keys[1], (B, C, G, dk)), v_cmp=normal(keys[2], (B, C, G, dv)),
+                k_sel=normal(keys[3], (B, L, G, dk)), v_sel=normal(keys[4], (B, L, G, dv)),
+                k_win=normal(keys[5], (B, ring, G, dk)), v_win=normal(keys[6], (B, ring, G, dv)))
+
+
+def _block_idx(B, G, n_sel, t, l_sel, seed):
+    """Random ascending blocks <= t // l_sel, -1 padded (one slot always -1)."""
+    rng = np.random.default_rng(seed)
+    idx = np.full((B, G, n_sel), -1, np.int32)
+    n_blocks = t // l_sel + 1
+    for b in range(B):
+        for g in range(G):
+            chosen = np.sort(rng.choice(n_blocks, size=min(n_sel - 1, n_blocks), replace=False))
+            idx[b, g, :len(chosen)] = chosen
+    return jnp.asarray(idx)
+
+
+def _brute_force(q, k, v, allowed, scale):
+    """NumPy float64: q [H, dk], k [S, dk], v [S, dv], allowed [S] -> o [H, dv] (0 if none)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    if not allowed.any():
+        return np.zeros((q.shape[0], v.shape[1]))
+    s = q @ k[allowed].T * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v[allowed]
+
+
+# C, L and the ring either shorter than a tile (padded copy) or longer and not a multiple of it
+# (the last tile starts early and masks the overlap): both ways of reading a cache.
+SHAPES = [
+    # B, H, G, dk, dv, C, L, ring, l, d, l_sel, n_sel, w
+    (2, 8, 2, 16, 16, 24, 100, 24, 8, 4, 16, 4, 24),
+    (1, 4, 4, 32, 16, 70, 150, 70, 8, 4, 16, 5, 70),      # h = 1, d_k != d_v, 70 slots
+    (2, 6, 2, 24, 8, 140, 600, 130, 32, 16, 64, 3, 100),  # h = 3, d_k 24 (padded), ring > w
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernels_match_reference_and_brute_force(shape):
+    B, H, G, dk, dv, C, L, ring, l, d, l_sel, n_sel, w = shape
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32)
+    scale = 0.3
+    h = H // G
+    # Jitted with t traced: one interpretation per kernel for all positions.
+    compressed = jax.jit(lambda q, k, v, t: D.decode_compressed(
+        q, k, v, t, cmp_block=l, cmp_stride=d, scale=scale, interpret=True))
+    selected_window = jax.jit(lambda q, ks, vs, idx, kw, vw, t: D.decode_selected_window(
+        q, ks, vs, idx, kw, vw, t, sel_block=l_sel, window=w, scale=scale, interpret=True))
+    for t in sorted({0, l - 2, l - 1, l + d, min(L, C * d + l) - 1, ring - 1, L - 1}):
+        if t >= L or t < 0:
+            continue
+        o, lse, p = compressed(x["q"], x["k_cmp"], x["v_cmp"], t)
+        o_r, lse_r, p_r = D.decode_compressed_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
+                                                        cmp_block=l, cmp_stride=d, scale=scale)
+        np.testing.assert_allclose(o, o_r, atol=2e-6)
+        np.testing.assert_allclose(p, p_r, atol=2e-6)
+        assert np.array_equal(np.isinf(lse), np.isinf(lse_r))
+        np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
+                                   np.where(np.isinf(lse_r), 0, lse_r), atol=2e-6)
+        idx = _block_idx(B, G, n_sel, t, l_sel, seed=t)
+        o_sel, o_win = selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
+                                       x["v_win"], t)
+        ref_sel, ref_win = D.decode_selected_window_reference(
+            x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"], t, sel_block=l_sel,
+            window=w, scale=scale)
+        np.testing.assert_allclose(o_sel, ref_sel, atol=2e-6)
+        np.testing.assert_allclose(o_win, ref_win, atol=2e-6)
+        # Brute force for one (batch row, group): explicit token sets.
+        b, g = B - 1, G - 1
+        heads = slice(g * h, (g + 1) * h)
+        visible = np.arange(C) * d + l - 1 <= t
+        np.testing.assert_allclose(o[b, heads], _brute_force(
+            x["q"][b, heads], x["k_cmp"][b, :, g], x["v_cmp"][b, :, g], visible, scale),
+            atol=2e-6)
+        tokens = np.arange(L)
+        chosen = np.isin(tokens // l_sel, [j for j in np.asarray(idx[b, g]) if j >= 0])
+        np.testing.assert_allclose(o_sel[b, heads], _brute_force(
+            x["q"][b, heads], x["k_sel"][b, :, g], x["v_sel"][b, :, g],
+            chosen & (tokens <= t), scale), atol=2e-6)
+        slot_token = t - (t - np.arange(ring)) % ring
+        np.testing.assert_allclose(o_win[b, heads], _brute_force(
+            x["q"][b, heads], x["k_win"][b, :, g], x["v_win"][b, :, g],
+            (slot_token >= 0) & (slot_token > t - w), scale), atol=2e-6)
+
+
+def test_kernels_bfloat16_and_empty_rows():
+    B, H, G, dk, dv, C, L, ring = 2, 32, 2, 64, 64, 80, 200, 64
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.bfloat16, seed=3)
+    f32 = {k: v.astype(jnp.float32) for k, v in x.items()}
+    for t in (10, 150):   # t = 10 < l - 1: no compressed block yet
+        o, lse, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=32,
+                                        cmp_stride=16, scale=0.125, interpret=True)
+        o_r, _, p_r = D.decode_compressed_reference(f32["q"], f32["k_cmp"], f32["v_cmp"], t,
+                                                    cmp_block=32, cmp_stride=16, scale=0.125)
+        assert o.dtype == jnp.bfloat16 and p.dtype == jnp.float32
+        if t < 31:
+            assert not np.any(np.asarray(o, np.float32)) and np.all(np.isneginf(lse))
+            assert not np.any(np.asarray(p))
+        else:
+            assert rel_err(o, o_r) <= 1e-2
+            np.testing.assert_allclose(p, p_r, atol=1e-5)
+        idx = _block_idx(B, G, 4, t, 64, seed=t)
+        got = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
+                                       x["v_win"], t, sel_block=64, window=64, scale=0.125,
+                                       interpret=True)
+        ref = D.decode_selected_window_reference(f32["q"], f32["k_sel"], f32["v_sel"], idx,
+                                                 f32["k_win"], f32["v_win"], t, sel_block=64,
+                                                 window=64, scale=0.125)
+        for a, r in zip(got, ref):
+            assert a.dtype == jnp.bfloat16 and rel_err(a, r) <= 1e-2
+
+
+@pytest.mark.parametrize("l,d,l_sel", [(32, 16, 64), (8, 4, 16), (16, 16, 16), (12, 4, 24),
+                                       (4, 2, 16)])
+@pytest.mark.parametrize("C,S", [(0, 3), (1, 1), (7, 2), (50, 13), (20, 40)])
+def test_band_scores_equal_the_dense_overlap_matrix(l, d, l_sel, C, S):
+    cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel)
+    p = np.random.default_rng(C + S).random((3, 2, C)).astype(np.float32)
+    np.testing.assert_allclose(band_scores(jnp.asarray(p), cfg, S),
+                               p @ overlap_weights(cfg, C, S), atol=1e-5)
+
+
+def _generation(params, x, cfg, max_len, backend):
+    cache = nsa_jax.init_cache(cfg, x.shape[0], max_len, x.dtype)
+    step = jax.jit(lambda p, x_t, c: nsa_jax.decode_step(p, x_t, cfg, c, return_aux=True,
+                                                         backend=backend))
+    ys, idx, reads = [], [], []
+    for t in range(x.shape[1]):
+        y_t, cache, r, aux = step(params, x[:, t:t + 1], cache)
+        ys.append(y_t)
+        idx.append(aux["block_idx"][:, 0])
+        reads.append({k: int(v) for k, v in r.items()})
+    return jnp.concatenate(ys, axis=1), idx, reads
+
+
+@pytest.mark.parametrize("cfg", [
+    NSAConfig.tiny(),                                                      # h = 2, d_k != d_v
+    NSAConfig.tiny(compress="mean", shared_kv=True, n_heads=8, window=40),  # ring = max_len
+])
+def test_decode_step_pallas_matches_layer(cfg):
+    """From an empty cache, every position: output, selected blocks and read counts equal the
+    layer's and the XLA decode's (float32)."""
+    T = 70 if cfg.window < 40 else 36
+    params, x = make_inputs(cfg, 2, T, jnp.float32, seed=4)
+    ref_y, ref_aux = nsa_jax.nsa_attention(params, x, cfg, return_aux=True)
+    y, idx, reads = _generation(params, x, cfg, T, "pallas")
+    _, _, reads_xla = _generation(params, x, cfg, T, "xla")
+    assert rel_err(y, ref_y) <= F32_TOL
+    for t in range(T):
+        np.testing.assert_array_equal(idx[t], ref_aux["block_idx"][:, t])
+    assert reads == reads_xla
+
+
+def test_decode_step_pallas_options_and_errors():
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 1, 3, jnp.float32)
+    cache = nsa_jax.init_cache(cfg, 1, 8)
+    with pytest.raises(ValueError, match="backend"):
+        nsa_jax.decode_step(params, x[:, :1], cfg, cache, backend="triton")
+    options = {"pallas": PallasOptions(interpret=True,
+                                       decode_blocks=D.DecodeBlockSizes(block_cmp=16,
+                                                                         block_win=16))}
+    y, _, _ = nsa_jax.decode_step(params, x[:, :1], cfg, cache, backend="pallas",
+                                  options=options)
+    assert bool(jnp.all(jnp.isfinite(y)))
+    with pytest.raises(ValueError, match="block_cmp"):
+        D.DecodeBlockSizes(block_cmp=48)
+    q = jnp.zeros((1, 4, 16))
+    with pytest.raises(ValueError, match="k_cmp"):
+        D.decode_compressed(q, jnp.zeros((1, 5, 2, 8)), jnp.zeros((1, 5, 2, 8)), 3, cmp_block=2,
+                            cmp_stride=1, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="t must be"):
+        D.decode_compressed(q, jnp.zeros((1, 5, 2, 16)), jnp.zeros((1, 5, 2, 8)), 2.5,
+                            cmp_block=2, cmp_stride=1, scale=1.0, interpret=True)
+
+
+def test_lowers_to_triton_on_any_host():
+    """Both decode kernels lower through the Pallas Triton lowering at the paper's decode sizes
+    (B 32, 64k cache, not a multiple of any tile; d_k 192 takes the padded path)."""
+    shape = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    B, H, G, dv, L, ring = 32, 64, 4, 128, 65600, 512
+    C = (L - 32) // 16 + 1
+    for dk in (128, 192):
+        def f(q, kc, vc, ks, vs, kw, vw, idx, t):
+            o, _, p = D.decode_compressed(q, kc, vc, t, cmp_block=32, cmp_stride=16, scale=0.1)
+            return (o, p) + D.decode_selected_window(q, ks, vs, idx, kw, vw, t, sel_block=64,
+                                                     window=512, scale=0.1)
+        args = (shape((B, H, dk), bf), shape((B, C, G, dk), bf), shape((B, C, G, dv), bf),
+                shape((B, L, G, dk), bf), shape((B, L, G, dv), bf), shape((B, ring, G, dk), bf),
+                shape((B, ring, G, dv), bf), shape((B, G, 16), jnp.int32),
+                shape((), jnp.int32))
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
+def test_gpu_decode_kernels_paper_sizes():
+    """On the GPU, B 4 and a 20k-token cache in bf16: kernels against the references."""
+    B, H, G, dk, dv, L, ring = 4, 64, 4, 128, 128, 20000, 512
+    C = (L - 32) // 16 + 1
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.bfloat16, seed=5)
+    f32 = {k: v.astype(jnp.float32) for k, v in x.items()}
+    t = L - 3
+    o, _, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=32, cmp_stride=16,
+                                  scale=0.088)
+    o_r, _, p_r = D.decode_compressed_reference(f32["q"], f32["k_cmp"], f32["v_cmp"], t,
+                                                cmp_block=32, cmp_stride=16, scale=0.088)
+    assert rel_err(o, o_r) <= 1e-2 and rel_err(p, p_r) <= 1e-4
+    idx = _block_idx(B, G, 16, t, 64, seed=1)
+    got = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"],
+                                   t, sel_block=64, window=512, scale=0.088)
+    ref = D.decode_selected_window_reference(f32["q"], f32["k_sel"], f32["v_sel"], idx,
+                                             f32["k_win"], f32["v_win"], t, sel_block=64,
+                                             window=512, scale=0.088)
+    for a, r in zip(got, ref):
+        assert rel_err(a, r) <= 1e-2
