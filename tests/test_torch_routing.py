@@ -44,7 +44,7 @@ def test_base_defaults_and_sources(env):
 def test_env_beats_profile_beats_base(env):
     config = runtime.load(profile="sm90")
     assert config.use_fa2 and config.sources["use_fa2"] == "profile:sm90"
-    assert config.fa2_min_len_win == 512 and config.sources["fa2_min_len_win"] == "profile:sm90"
+    assert config.fa2_min_len_win == 128 and config.sources["fa2_min_len_win"] == "profile:sm90"
     assert config.fa2_force_dense is False and config.sources["fa2_force_dense"] == "base"
     env.setenv("NSA_USE_FA2", "0")
     env.setenv("NSA_FA2_MIN_LEN_WIN", " 77 ")
@@ -116,12 +116,12 @@ def test_cpu_routes_everything_to_sdpa(env):
 
 
 def test_selection_routing_on_cuda(env):
-    env.setenv("NSA_PROFILE", "sm90")  # Triton on, min_l 512
+    env.setenv("NSA_PROFILE", "sm90")  # Triton on, min_l 128
     route = lambda **kw: routing.route("selected_attention", device=CUDA, **kw)  # noqa: E731
     assert route(seq_len=4096, requires_grad=True) == \
-        ("triton", "NSA_USE_TRITON_SEL=1 (profile:sm90), seq_len 4096 >= 512")
+        ("triton", "NSA_USE_TRITON_SEL=1 (profile:sm90), seq_len 4096 >= 128")
     assert route(seq_len=100, requires_grad=False) == \
-        ("sdpa", "seq_len 100 < NSA_SEL_TRITON_MIN_L=512 (profile:sm90)")
+        ("sdpa", "seq_len 100 < NSA_SEL_TRITON_MIN_L=128 (profile:sm90)")
     env.setenv("NSA_SEL_TRITON_ALLOW_GRAD", "0")
     assert route(seq_len=4096, requires_grad=True) == \
         ("sdpa", "gradients required and NSA_SEL_TRITON_ALLOW_GRAD=0 (env)")
@@ -146,14 +146,14 @@ def test_forced_triton_needs_a_device_or_the_interpreter(env):
 
 
 def test_fa2_routing_on_cuda(env):
-    env.setenv("NSA_PROFILE", "sm90")  # FA-2 on; window >= 512, compressed >= 1024
+    env.setenv("NSA_PROFILE", "sm90")  # FA-2 on; window >= 128, compressed >= 256
     route = lambda branch, n, **kw: routing.route(branch, seq_len=n, requires_grad=False,  # noqa
                                                   device=CUDA, **kw)
-    assert route("sliding_window_attention", 512)[0] == "fa2"
-    assert route("sliding_window_attention", 511)[0] == "sdpa"
-    assert route("compressed_attention", 1023) == \
-        ("sdpa", "seq_len 1023 < NSA_FA2_MIN_LEN_CMP=1024 (profile:sm90)")
-    assert route("compressed_attention", 1024)[0] == "fa2"
+    assert route("sliding_window_attention", 128)[0] == "fa2"
+    assert route("sliding_window_attention", 127)[0] == "sdpa"
+    assert route("compressed_attention", 255) == \
+        ("sdpa", "seq_len 255 < NSA_FA2_MIN_LEN_CMP=256 (profile:sm90)")
+    assert route("compressed_attention", 256)[0] == "fa2"
     assert route("compressed_attention", 4096, dtype=torch.float32) == \
         ("sdpa", "dtype torch.float32: FlashAttention-2 takes float16/bfloat16")
     env.setenv("NSA_USE_FA2", "0")
@@ -172,7 +172,7 @@ def test_route_rejects_bad_arguments(env):
 
 def test_backends_for_follows_route(env):
     env.setenv("NSA_PROFILE", "sm90")
-    assert routing.backends_for(seq_len=600, requires_grad=False, device=CUDA) == {
+    assert routing.backends_for(seq_len=200, requires_grad=False, device=CUDA) == {
         "compressed_attention": "sdpa", "selected_attention": "triton",
         "sliding_window_attention": "fa2"}
 
