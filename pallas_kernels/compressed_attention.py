@@ -87,12 +87,15 @@ class _Tiling:
     d_v: int
     dk_pad: int
     dv_pad: int
+    itemsize: int = 2  # bytes per element of q (float32 tiles take twice the shared memory)
 
     def q_tile(self, block_rows: int) -> int:
         """Queries per tile for a tile of `block_rows` rows (at least one query). Wide heads get
-        fewer rows: a tile holds at most `_MAX_TILE_ELEMENTS` query elements, the size the
-        defaults were measured at, so that d_k = 192 (padded to 256) still fits shared memory."""
-        widest = max(self.dk_pad, self.dv_pad)
+        fewer rows: a tile holds at most `_MAX_TILE_ELEMENTS` 16-bit query elements, the size
+        the defaults were measured at, so that d_k = 192 (padded to 256) still fits shared
+        memory; float32 tiles hold half as many (at d 128 the float32 backward asked for 257 KiB
+        of the H200's 227 KiB with 16-bit-sized tiles)."""
+        widest = max(self.dk_pad, self.dv_pad) * max(1, self.itemsize // 2)
         block_rows = min(block_rows, max(MATMUL_MIN, _MAX_TILE_ELEMENTS // widest))
         return max(1, block_rows // self.h_pad)
 
@@ -308,7 +311,15 @@ def _tiling(q, k_cmp, v_cmp) -> _Tiling:
     heads = q.shape[2] // k_cmp.shape[2]
     return _Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                    d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=matmul_dim(q.shape[3]),
-                   dv_pad=matmul_dim(v_cmp.shape[3]))
+                   dv_pad=matmul_dim(v_cmp.shape[3]), itemsize=jnp.dtype(q.dtype).itemsize)
+
+
+def _pad_rows(x, T_pad: int, tiling: _Tiling, dim_pad: Optional[int], value=0):
+    """[B, T, G, h(, D)] -> [B, T_pad, G, h_pad(, dim_pad)]: every block the kernels read is
+    then inside its array. (Blocks wider than their array, read under masks, gave wrong dK on
+    the GPU at d_v = 8 in bf16 while the interpreter agreed with the reference.)"""
+    x = pad_axis(pad_axis(x, 1, T_pad, value=value), 3, tiling.h_pad, value=value)
+    return x if dim_pad is None else pad_axis(x, 4, dim_pad)
 
 
 def _pad_kv(x, n_blocks: int, dim_pad: int):
@@ -338,7 +349,7 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
     n_q_tiles = pl.cdiv(T, q_tile)
     T_pad = n_q_tiles * q_tile
     n_kv = pl.cdiv(tiling.n_cmp, block_kv) * block_kv
-    q5 = pad_axis(_group_view(q, G), 1, T_pad)
+    q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
     kernel = functools.partial(_fwd_kernel, tiling=tiling, cmp_block=cmp_block,
                                cmp_stride=cmp_stride, scale=scale, block_kv=block_kv)
     o, lse = pl.pallas_call(
@@ -347,13 +358,14 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
         in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
                   _kv_spec(n_kv, tiling.dv_pad)],
         out_specs=[_row_spec(q_tile, tiling, tiling.dv_pad), _row_spec(q_tile, tiling, None)],
-        out_shape=[jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads, tiling.d_v), q.dtype),
-                   jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dv_pad), q.dtype),
+                   jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad), jnp.float32)],
         compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="nsa_compressed_attention_fwd",
     )(q5, _pad_kv(k_cmp, n_kv, tiling.dk_pad), _pad_kv(v_cmp, n_kv, tiling.dv_pad))
-    return o[:, :T].reshape(B, T, H, tiling.d_v), lse[:, :T].reshape(B, T, H)
+    o = o[:, :T, :, :tiling.heads, :tiling.d_v]
+    return o.reshape(B, T, H, tiling.d_v), lse[:, :T, :, :tiling.heads].reshape(B, T, H)
 
 
 def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, block_sizes,
@@ -371,10 +383,10 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     block_kv_dq, block_kv_dkv = block_sizes.block_kv_dq, block_sizes.block_kv_dkv
     n_kv = pl.cdiv(tiling.n_cmp, max(block_kv_dq, block_kv_dkv)) * max(block_kv_dq, block_kv_dkv)
 
-    q5 = pad_axis(_group_view(q, G), 1, T_pad)
-    do5 = pad_axis(_group_view(do, G), 1, T_pad)
-    lse4 = pad_axis(_group_view(lse, G), 1, T_pad, value=-jnp.inf)
-    delta4 = pad_axis(_group_view(delta, G), 1, T_pad)
+    q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
+    do5 = _pad_rows(_group_view(do, G), T_pad, tiling, tiling.dv_pad)
+    lse4 = _pad_rows(_group_view(lse, G), T_pad, tiling, None, value=-jnp.inf)
+    delta4 = _pad_rows(_group_view(delta, G), T_pad, tiling, None)
     k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
     v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
@@ -387,7 +399,7 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
                   _kv_spec(n_kv, tiling.dv_pad), _row_spec(q_tile_dq, tiling, tiling.dv_pad),
                   _row_spec(q_tile_dq, tiling, None), _row_spec(q_tile_dq, tiling, None)],
         out_specs=_row_spec(q_tile_dq, tiling, tiling.dk_pad),
-        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.heads, tiling.d_k), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dk_pad), q.dtype),
         compiler_params=params,
         interpret=interpret,
         name="nsa_compressed_attention_dq",
@@ -425,7 +437,8 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     dv = dv_parts.sum(axis=0) if n_parts > 1 else dv_parts[0]
 
     C = tiling.n_cmp
-    return (dq[:, :T].reshape(q.shape), dk[:, :C, :, :tiling.d_k].astype(k_cmp.dtype),
+    return (dq[:, :T, :, :tiling.heads, :tiling.d_k].reshape(q.shape),
+            dk[:, :C, :, :tiling.d_k].astype(k_cmp.dtype),
             dv[:, :C, :, :tiling.d_v].astype(v_cmp.dtype))
 
 

@@ -51,6 +51,7 @@ from pallas_kernels._common import (
 from pallas_kernels.compressed_attention import (
     _dot,
     _group_view,
+    _pad_rows,
     _reference_mask,
     _row_spec,
     _Tiling,
@@ -243,13 +244,13 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
                   pl.BlockSpec((None, n_blocks, None, tiling.dk_pad), lambda b, i, g: (b, 0, g, 0)),
                   _row_spec(q_tile, tiling, None)],
         out_specs=pl.BlockSpec((None, q_tile, None, n_sel_pad), lambda b, i, g: (b, i, g, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, n_sel), jnp.int32),
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, n_sel_pad), jnp.int32),
         compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="nsa_select_blocks",
-    )(pad_axis(_group_view(q, G), 1, T_pad), k_pad,
-      pad_axis(_group_view(lse.astype(jnp.float32), G), 1, T_pad, value=-jnp.inf))
-    return block_idx[:, :T]
+    )(_pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad), k_pad,
+      _pad_rows(_group_view(lse.astype(jnp.float32), G), T_pad, tiling, None, value=-jnp.inf))
+    return block_idx[:, :T, :, :n_sel]
 
 
 def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,

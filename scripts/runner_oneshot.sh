@@ -148,7 +148,7 @@ correctness_step pytest_gpu 300 "$PY" -m pytest -m gpu tests -q -rs -p no:cachep
 wait
 # shellcheck disable=SC2086
 run_step prefill 200 "$PY" bench/bench_prefill.py --S_list "$PREFILL_S" --rows "$PREFILL_ROWS" \
-  --iters "$PREFILL_ITERS" --warmup 1 --repeats 3 --row_timeout 60 --no_progress \
+  --iters "$PREFILL_ITERS" --warmup 1 --repeats 3 --row_timeout 90 --no_progress \
   --out "$ART/bench" ${PREFILL_ARGS:-}
 # shellcheck disable=SC2086
 run_step decode 100 "$PY" bench/bench_decode.py --S_list "$DECODE_S" --B "$DECODE_B" \

@@ -145,8 +145,12 @@ def test_bad_inputs_raise_value_error():
 @pytest.mark.gpu
 @pytest.mark.skipif(not jax_has_gpu(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_matches_reference(dtype):
-    case = (1, 1000, 16, 4, 64, 32, 32, 16)
+@pytest.mark.parametrize("case", [
+    (1, 1000, 16, 4, 64, 32, 32, 16),
+    (1, 2048, 64, 4, 128, 128, 32, 16),   # paper sizes: float32 tiles must fit shared memory
+    (2, 80, 4, 2, 16, 8, 8, 4),           # the parity report's tiny preset
+])
+def test_gpu_matches_reference(dtype, case):
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(4, *case, dtype=dtype)
     kw = dict(cmp_block=l, cmp_stride=d)
