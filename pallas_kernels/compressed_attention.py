@@ -71,6 +71,10 @@ class BlockSizes:
         check_tile_sizes(self)
 
 
+# float32 operands take twice the shared memory per tile: smaller key tiles and no
+# software pipelining (the 16-bit defaults asked for up to 353 KiB of the H200's 227 KiB at d 128).
+FLOAT32_BLOCK_SIZES = BlockSizes(block_kv=32, block_kv_dq=32, block_kv_dkv=32, num_stages=1)
+
 # 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
 _MAX_TILE_ELEMENTS = 256 * 128
 
@@ -268,7 +272,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     first_block = pl.program_id(1) * block_kv
     k = k_ref[...]
     v = v_ref[...]
-    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
     def body(q_index, carry):
         dk, dv = carry
@@ -279,12 +282,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         lse2 = load_row_stats(lse_ref.at[rows], tiling) * LOG2_E
         delta = load_row_stats(delta_ref.at[rows], tiling)
         position, real = row_positions(first_query, q_tile, tiling)
-        s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
-        mask = admissible(position, real, first_block, block_kv, **geometry)
-        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`:
+        # the transposed-operand form `ds^T @ q` gave a wrong dK on the GPU at small tiles
+        # (d_k 16, h 2, bf16) while the interpreter agreed with the reference.
+        s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
+        block = first_block + jnp.arange(block_kv, dtype=jnp.int32)
+        mask_t = ((block[:, None] * cmp_stride + (cmp_block - 1) <= position[None, :])
+                  & (block[:, None] < tiling.n_cmp) & real[None, :])
+        p_t = jnp.where(mask_t, jnp.exp2(s2_t - lse2[None, :]), 0.0)
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
+        dk = dk + _dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
     # The first query that sees block `first_block` is t = first_block*d + l - 1.
@@ -310,8 +318,16 @@ def _group_view(x, n_groups: int):
 def _tiling(q, k_cmp, v_cmp) -> _Tiling:
     heads = q.shape[2] // k_cmp.shape[2]
     return _Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
-                   d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=matmul_dim(q.shape[3]),
-                   dv_pad=matmul_dim(v_cmp.shape[3]), itemsize=jnp.dtype(q.dtype).itemsize)
+                   d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=_head_pad(q.shape[3]),
+                   dv_pad=_head_pad(v_cmp.shape[3]), itemsize=jnp.dtype(q.dtype).itemsize)
+
+
+def _head_pad(dim: int) -> int:
+    """Head dims enter the kernels padded to a power of two >= 32. At 16 the dK/dV kernel's bf16
+    products returned a wrong dK on an H200 (rel. error 0.17-0.27 against the reference, dQ and dV
+    right, float32 right, the interpreter right); from 32 on they agree. Only tiny test configs
+    have heads this narrow."""
+    return max(2 * MATMUL_MIN, matmul_dim(dim))
 
 
 def _pad_rows(x, T_pad: int, tiling: _Tiling, dim_pad: Optional[int], value=0):
@@ -516,7 +532,8 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
     """
     scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
                          scale=scale)
-    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    if block_sizes is None:
+        block_sizes = FLOAT32_BLOCK_SIZES if jnp.dtype(q.dtype).itemsize >= 4 else BlockSizes()
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a compressed_attention.BlockSizes, got "
                          f"{type(block_sizes).__name__}")

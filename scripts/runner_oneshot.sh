@@ -53,7 +53,10 @@ SUMMARY_TSV="$ART/logs/.steps.tsv"
 : >"$SUMMARY_TSV"
 
 PREFILL_S=${PREFILL_S:-8k}
-PREFILL_ROWS=${PREFILL_ROWS:-nsa_jax_pallas,nsa_jax_pallas_fla,nsa_torch,fla_parallel_nsa,fa3_full,cudnn_full}
+# fla_parallel_nsa is not a default row: its Triton autotuning alone outlasts a row's 90 s share
+# (runs R5/R6 in bench/RESULTS.md); add it with PREFILL_ROWS=...,fla_parallel_nsa and a larger
+# RUNNER_BUDGET_S, or run bench/bench_prefill.py directly (R3).
+PREFILL_ROWS=${PREFILL_ROWS:-nsa_jax_pallas,nsa_jax_pallas_fla,nsa_torch,fa3_full,cudnn_full}
 PREFILL_ITERS=${PREFILL_ITERS:-5}
 DECODE_S=${DECODE_S:-16k}
 DECODE_B=${DECODE_B:-32}
