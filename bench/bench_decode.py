@@ -228,26 +228,13 @@ def branch_only_step(mode: str, backend: str = "xla"):
 def _pallas_branches(cfg, cache, q, t, mode: str):
     """The pallas decode path up to `mode`: (o_cmp, None) for "cmp"; (None, o_sel) for "sel",
     which runs the compressed kernel, the block ranking and the fused selected+window kernel."""
-    import jax.numpy as jnp
     from nsa_jax import decode as D
-    from pallas_kernels import decode as K
 
-    import jax
-
-    run = dict(interpret=jax.default_backend() != "gpu")  # as nsa_jax's PallasOptions default
-    q1 = q[:, 0]
-    o_cmp, _, p_group = K.decode_compressed(q1, cache.k_cmp, cache.v_cmp, t,
-                                            cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
-                                            scale=cfg.scale, **run)
+    o_cmp, p_group = D.pallas_compressed(q, cache, cfg, t)
     if mode == "cmp":
-        return o_cmp[:, None], None
-    scores = D.band_scores(p_group, cfg, D.num_sel_blocks(cfg, cache.max_len))
-    q_pos = jnp.full((q.shape[0], 1), t, jnp.int32)
-    block_idx = D.top_blocks(scores[:, None], q_pos[..., None], cfg)
-    o_sel, _ = K.decode_selected_window(q1, cache.k_sel, cache.v_sel, block_idx[:, 0],
-                                        cache.k_win, cache.v_win, t, sel_block=cfg.sel_block,
-                                        window=cfg.window, scale=cfg.scale, **run)
-    return None, o_sel[:, None]
+        return o_cmp, None
+    _, o_sel, _ = D.pallas_selected_window(q, cache, cfg, t, p_group)
+    return None, o_sel
 
 
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:

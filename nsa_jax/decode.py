@@ -238,22 +238,42 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
 def _attend_pallas(q, cache: DecodeCache, cfg: NSAConfig, t, options: dict):
     """The three branch outputs `[B, 1, H, d_v]` and block_idx `[B, 1, G, n_sel]` of token t
     through `pallas_kernels.decode`."""
+    o_cmp, p_group = pallas_compressed(q, cache, cfg, t, options)
+    block_idx, o_sel, o_win = pallas_selected_window(q, cache, cfg, t, p_group, options)
+    return o_cmp, o_sel, o_win, block_idx
+
+
+def _pallas_run_options(options: dict) -> dict:
     from nsa_jax.pallas_backend import DEFAULT_OPTIONS
+
+    opts = dict(options or ()).get("pallas", DEFAULT_OPTIONS)
+    return dict(block_sizes=opts.decode_blocks, interpret=opts.resolve_interpret())
+
+
+def pallas_compressed(q, cache: DecodeCache, cfg: NSAConfig, t, options=None):
+    """Decode's compressed branch on the Pallas kernel: `(o_cmp [B, 1, H, d_v], p_group
+    [B, G, C])`, p_group being the selection probabilities summed over each group's heads."""
     from pallas_kernels import decode as kernels
 
-    opts = options.get("pallas", DEFAULT_OPTIONS)
-    run = dict(block_sizes=opts.decode_blocks, interpret=opts.resolve_interpret())
-    q1 = q[:, 0]
     o_cmp, _, p_group = kernels.decode_compressed(
-        q1, cache.k_cmp, cache.v_cmp, t, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
-        scale=cfg.scale, **run)
+        q[:, 0], cache.k_cmp, cache.v_cmp, t, cmp_block=cfg.cmp_block,
+        cmp_stride=cfg.cmp_stride, scale=cfg.scale, **_pallas_run_options(options))
+    return o_cmp[:, None], p_group
+
+
+def pallas_selected_window(q, cache: DecodeCache, cfg: NSAConfig, t, p_group, options=None):
+    """Rank the blocks from `p_group` and run the selected + window kernel:
+    `(block_idx [B, 1, G, n_sel], o_sel, o_win [B, 1, H, d_v])`."""
+    from pallas_kernels import decode as kernels
+
     scores = band_scores(p_group, cfg, num_sel_blocks(cfg, cache.max_len))     # [B, G, S]
     q_pos = jnp.full((q.shape[0], 1), t, jnp.int32)
     block_idx = top_blocks(scores[:, None], q_pos[..., None], cfg)            # [B, 1, G, n_sel]
     o_sel, o_win = kernels.decode_selected_window(
-        q1, cache.k_sel, cache.v_sel, block_idx[:, 0], cache.k_win, cache.v_win, t,
-        sel_block=cfg.sel_block, window=cfg.window, scale=cfg.scale, **run)
-    return o_cmp[:, None], o_sel[:, None], o_win[:, None], block_idx
+        q[:, 0], cache.k_sel, cache.v_sel, block_idx[:, 0], cache.k_win, cache.v_win, t,
+        sel_block=cfg.sel_block, window=cfg.window, scale=cfg.scale,
+        **_pallas_run_options(options))
+    return block_idx, o_sel[:, None], o_win[:, None]
 
 
 def _finish_step(params, x_t, cfg: NSAConfig, cache: DecodeCache, t, q, o_cmp, o_sel, o_win,

@@ -169,10 +169,13 @@ def row_positions(first_query, q_tile: int, tiling: _Tiling):
 
 
 def admissible(position, real, first_block, n_blocks: int, *, tiling: _Tiling, cmp_block: int,
-               cmp_stride: int):
-    """`[rows, n_blocks]` mask of the spec: row's query `t` sees block `i` iff
-    `i*d + l - 1 <= t` (and `i` exists)."""
+               cmp_stride: int, transposed: bool = False):
+    """`[rows, n_blocks]` mask of the spec (`[n_blocks, rows]` when `transposed`): row's query
+    `t` sees block `i` iff `i*d + l - 1 <= t` (and `i` exists)."""
     block = first_block + jnp.arange(n_blocks, dtype=jnp.int32)
+    if transposed:
+        visible = block[:, None] * cmp_stride + (cmp_block - 1) <= position[None, :]
+        return visible & (block[:, None] < tiling.n_cmp) & real[None, :]
     visible = block[None, :] * cmp_stride + (cmp_block - 1) <= position[:, None]
     return visible & (block[None, :] < tiling.n_cmp) & real[:, None]
 
@@ -286,9 +289,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         # the transposed-operand form `ds^T @ q` gave a wrong dK on the GPU at small tiles
         # (d_k 16, h 2, bf16) while the interpreter agreed with the reference.
         s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
-        block = first_block + jnp.arange(block_kv, dtype=jnp.int32)
-        mask_t = ((block[:, None] * cmp_stride + (cmp_block - 1) <= position[None, :])
-                  & (block[:, None] < tiling.n_cmp) & real[None, :])
+        mask_t = admissible(position, real, first_block, block_kv, tiling=tiling,
+                            cmp_block=cmp_block, cmp_stride=cmp_stride, transposed=True)
         p_t = jnp.where(mask_t, jnp.exp2(s2_t - lse2[None, :]), 0.0)
         dv = dv + _dot(p_t.astype(do.dtype), do)
         ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])

@@ -47,6 +47,7 @@ from pallas_kernels._common import (
     silence_triton_deprecation,
     triton_compiler_params,
 )
+from pallas_kernels.compressed_attention import _dot
 
 __all__ = [
     "DecodeBlockSizes",
@@ -75,13 +76,6 @@ class DecodeBlockSizes:
 
     def __post_init__(self):
         check_tile_sizes(self)
-
-
-def _dot(a, b, *, trans_b: bool = False):
-    """`a @ b` (b optionally transposed), float32 accumulation; IEEE float32 for fp32 operands."""
-    dims = (((1,), (0 if not trans_b else 1,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
 
 
 def _tile(first, size: int, length: int):
