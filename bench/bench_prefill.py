@@ -10,6 +10,7 @@ attention.
 Rows (`--rows`, default: every row that can run on the device):
   nsa_jax_pallas       nsa_jax kernel-level functions, backend="pallas", compress="mlp"
   nsa_jax_xla          the same with backend="xla" (OOM rows are written as "oom")
+  nsa_jax_layer        the whole layer, `nsa_attention` with projections (d_model), Pallas
   nsa_jax_pallas_fla   backend="pallas" in fla-org's configuration (below), shared k/v
   nsa_jax_xla_fla      backend="xla" in fla-org's configuration, shared k/v
   nsa_torch            nsa_torch_ref with its fastest registered kernels (Triton selection, FA-2)
@@ -58,7 +59,7 @@ COLUMNS = ["bench", "row", "impl", "pass", "S", "B", "H", "G", "dk", "dv", "dtyp
            "l", "d", "l_sel", "n_sel", "w", "status", "ms", "ms_min", "ms_max", "peak_mb",
            "peak_source", "device_peak_mb", "speedup", "baseline", "note", "device"]
 PASSES = ("fwd", "fwd_bwd")
-ROWS = ("nsa_jax_pallas", "nsa_jax_xla", "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
+ROWS = ("nsa_jax_pallas", "nsa_jax_xla", "nsa_jax_layer", "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
         "nsa_torch_fla", "fla_parallel_nsa", "cudnn_full", "fa3_full", "torch_sdpa_flash",
         "torch_sdpa_cudnn", "xla_full", "projections")
 DEFAULT_ROWS = {
@@ -180,7 +181,7 @@ def _pallas_branches(nsa_jax) -> list[str]:
     return sorted(branch for branch, name in registry if name == "pallas")
 
 
-def _nsa_jax_core(cfg, backend: str):
+def _nsa_jax_core(cfg, backend: str, options=None):
     """The attention core as a function of (q, k, v per branch, gate logits, compression params),
     and a label of the path each branch takes.
 
@@ -208,18 +209,21 @@ def _nsa_jax_core(cfg, backend: str):
         path, label = backend, f"nsa_jax backend={backend}"
 
     def kw(fn):
-        return {"backend": path} if _accepts(fn, "backend") else {}
+        extra = {"options": options} if options is not None else {}
+        return {"backend": path, **extra} if _accepts(fn, "backend") else {}
 
     def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params):
         cmp_k = cmp_params["cmp_k"] if cfg.compress == "mlp" else None
         cmp_v = cmp_params["cmp_v"] if cfg.compress == "mlp" else None
         k_cmp = nsa_jax.compress_kv(k_cmp_in, cmp_k, cfg, **kw(nsa_jax.compress_kv))
         v_cmp = nsa_jax.compress_kv(v_cmp_in, cmp_v, cfg, **kw(nsa_jax.compress_kv))
-        o_cmp = nsa_jax.compressed_attention(q, k_cmp, v_cmp, cfg,
-                                             **kw(nsa_jax.compressed_attention))
-        # Selection has no gradient (spec step 6); stop_gradient keeps autodiff out of it.
+        o_cmp, lse = nsa_jax.compressed_attention(q, k_cmp, v_cmp, cfg, return_lse=True,
+                                                  **kw(nsa_jax.compressed_attention))
+        # Selection has no gradient (spec step 6); stop_gradient keeps autodiff out of it. It
+        # reuses the compressed branch's lse, as the layer does.
         block_idx = nsa_jax.select_blocks(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp),
-                                          cfg, **kw(nsa_jax.select_blocks))
+                                          cfg, lse=jax.lax.stop_gradient(lse),
+                                          **kw(nsa_jax.select_blocks))
         o_sel = nsa_jax.selected_attention(q, k_sel, v_sel, block_idx, cfg.sel_block,
                                            **kw(nsa_jax.selected_attention))
         o_win = nsa_jax.sliding_window_attention(q, k_win, v_win, cfg.window,
@@ -274,6 +278,34 @@ def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
     core, label = _nsa_jax_core(cfg, backend)
     base = dict(_base_record(args, row, S, cfg), impl=label)
     return _jax_time_passes(core, _nsa_jax_inputs(cfg, args, S, shared_kv=fla_like), args, base)
+
+
+def run_nsa_layer(args, S: int, row: str):
+    """The whole layer as a user calls it: `nsa_attention(params, x, cfg, backend=...)` with
+    its projections, RoPE, gates and output projection; forward+backward differentiates with
+    respect to the parameters and x."""
+    if args.device != "gpu":
+        raise Skip("the layer row times the Pallas kernels: GPU only")
+    import jax
+    import jax.numpy as jnp
+    import nsa_jax
+
+    cfg = nsa_config(args)
+    dtype = _jnp_dtype(args.dtype)
+
+    def arrays(key):
+        k_params, k_x, k_cot = jax.random.split(key, 3)
+        params = nsa_jax.init_params(k_params, cfg, dtype=dtype)
+        x = jax.random.normal(k_x, (args.B, S, cfg.d_model), jnp.float32).astype(dtype)
+        cotangent = jax.random.normal(k_cot, (args.B, S, cfg.d_model), jnp.float32).astype(dtype)
+        return (params, x), cotangent
+
+    def layer(params, x):
+        return nsa_jax.nsa_attention(params, x, cfg, backend=("pallas", "xla"))
+
+    base = dict(_base_record(args, row, S, cfg),
+                impl=f"nsa_jax.nsa_attention backend=(pallas,xla) d_model={cfg.d_model}")
+    return _jax_time_passes(layer, _jitted_maker(arrays), args, base)
 
 
 def _full_jax_inputs(args, S: int):
@@ -626,6 +658,7 @@ def run_fla(args, S: int, row: str):
 ROW_RUNNERS: dict[str, Callable] = {
     "nsa_jax_pallas": lambda a, S, r: run_nsa_jax(a, S, "pallas", False, r),
     "nsa_jax_xla": lambda a, S, r: run_nsa_jax(a, S, "xla", False, r),
+    "nsa_jax_layer": run_nsa_layer,
     "nsa_jax_pallas_fla": lambda a, S, r: run_nsa_jax(a, S, "pallas", True, r),
     "nsa_jax_xla_fla": lambda a, S, r: run_nsa_jax(a, S, "xla", True, r),
     "nsa_torch": lambda a, S, r: run_nsa_torch(a, S, False, r),
@@ -690,6 +723,31 @@ def add_speedups(records: list[dict], baseline: Optional[str]) -> None:
                 record["speedup"] = ref["ms"] / record["ms"]
                 record["baseline"] = name
                 break
+
+
+LATEST_COLUMNS = ["row", "S", "fwd_ms", "fwd_bwd_ms", "peak_mb", "device", "commit", "status"]
+
+
+def latest_rows(records: list[dict], commit: str) -> list[dict]:
+    """One line per (row, S) for `bench/results/prefill_latest.csv`: both passes' times, the
+    larger peak, and in `status` why a pass did not run (empty when both ran)."""
+    by_key: dict[tuple, dict] = {}
+    for r in records:
+        by_key.setdefault((r["row"], int(r["S"])), {})[r["pass"]] = r
+    lines = []
+    for (row, S), passes in sorted(by_key.items(), key=lambda kv: (ROWS.index(kv[0][0]),
+                                                                   kv[0][1])):
+        ms = {p: (common.to_float(passes[p].get("ms")) if p in passes
+                  and passes[p].get("status") == OK else None) for p in PASSES}
+        peaks = [common.to_float(r.get("peak_mb")) for r in passes.values()]
+        peaks = [p for p in peaks if p is not None]
+        problems = [f"{p}: {passes[p].get('status')} {passes[p].get('note') or ''}".strip()
+                    for p in PASSES if p in passes and passes[p].get("status") != OK]
+        device = next((r.get("device") for r in passes.values() if r.get("device")), "")
+        lines.append({"row": row, "S": S, "fwd_ms": ms["fwd"], "fwd_bwd_ms": ms["fwd_bwd"],
+                      "peak_mb": max(peaks) if peaks else None, "device": device,
+                      "commit": commit[:12], "status": "; ".join(problems)})
+    return lines
 
 
 def summary_table(records: list[dict]) -> str:
@@ -836,6 +894,8 @@ def main(argv=None) -> int:
     csv_path = os.path.join(args.out, "prefill.csv")
     png_path = os.path.join(args.out, "prefill.png")
     common.write_csv(csv_path, records, COLUMNS)
+    common.write_csv(os.path.join(args.out, "prefill_latest.csv"),
+                     latest_rows(records, env["commit"]), LATEST_COLUMNS)
     title = (f"NSA prefill: B={args.B} H={args.H} G={args.G} dk={args.dk} dv={args.dv} "
              f"{args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
     plot(records, png_path, title)

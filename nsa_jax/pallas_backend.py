@@ -61,8 +61,9 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
                   options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
     if lse is None:  # kernel-level call without the compressed branch's statistics
-        _, lse = compressed_attention(q, k_cmp, k_cmp, cfg, scale=scale, return_lse=True,
-                                      options=options)
+        lse = cmp_kernel.compressed_lse(
+            q, k_cmp, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale,
+            block_sizes=options.compressed_blocks, interpret=options.resolve_interpret())
     return select_kernel.select_blocks(
         q, k_cmp, lse, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
         sel_block=cfg.sel_block, n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local,

@@ -76,6 +76,12 @@ def check_tile_sizes(block_sizes) -> None:
 
     for field in dataclasses.fields(block_sizes):
         value = getattr(block_sizes, field.name)
+        if field.type in (bool, "bool"):  # a variant switch, not a size
+            if not isinstance(value, bool):
+                raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a bool")
+            continue
+        if field.type in (str, "str"):  # a named variant: its dataclass checks the name
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"block_sizes.{field.name} ({value!r}) must be a positive int")
         if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):

@@ -66,6 +66,10 @@ class BlockSizes:
     # block_kv_dkv) * G). Each tile's query range is split into parts until about this many
     # programs exist; their float32 partial sums are added in XLA (deterministic, no atomics).
     dkv_programs: int = 1024
+    # dK/dV from transposed scores `k q^T` (plain `a @ b` products) or from `q k^T` with
+    # transposed-operand products. The latter gave a wrong bf16 dK on an H200 at d_k 16 (before
+    # head dims were padded to >= 32).
+    dkv_transposed: bool = True
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -163,8 +167,9 @@ def load_row_stats(ref, tiling: _Tiling):
 def row_positions(first_query, q_tile: int, tiling: _Tiling):
     """Query position `[rows]` of each row, and whether the row is a real (query, head)."""
     rows = jnp.arange(q_tile * tiling.h_pad, dtype=jnp.int32)
-    position = first_query + lax.div(rows, tiling.h_pad)
-    real = (position < tiling.seq_len) & (lax.rem(rows, tiling.h_pad) < tiling.heads)
+    # Explicit int32 constants: under `jax_enable_x64` a Python int would become int64.
+    position = first_query + lax.div(rows, jnp.int32(tiling.h_pad))
+    real = (position < tiling.seq_len) & (lax.rem(rows, jnp.int32(tiling.h_pad)) < tiling.heads)
     return position, real
 
 
@@ -185,16 +190,29 @@ def blocks_visible_to(last_query, *, tiling: _Tiling, cmp_block: int, cmp_stride
     last_query = jnp.minimum(last_query, tiling.seq_len - 1)
     # (t - l + 1) // d + 1, written with a non-negative numerator so that integer division
     # truncation (all Triton has) equals floor division.
-    count = lax.div(jnp.maximum(last_query - cmp_block + 1 + cmp_stride, 0), cmp_stride)
+    count = lax.div(jnp.maximum(last_query - cmp_block + 1 + cmp_stride, 0),
+                    jnp.int32(cmp_stride))
     return jnp.minimum(count, tiling.n_cmp)
+
+
+def n_tiles_of(count, block: int):
+    """Tiles of `block` compressed blocks that hold the first `count` blocks: ceil(count/block)."""
+    return lax.div(count + (block - 1), jnp.int32(block))
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward kernel
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: _Tiling, cmp_block: int,
-                cmp_stride: int, scale: float, block_kv: int):
+def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride: int,
+                scale: float, block_kv: int, lse_only: bool):
+    """o and lse of a query tile; with `lse_only` (refs = lse_ref) only the log-sum-exp: no V
+    loads and no `p @ v` product, half the work (what selection needs when no forward ran)."""
+    if lse_only:
+        (lse_ref,) = refs
+        v_ref = o_ref = None
+    else:
+        v_ref, o_ref, lse_ref = refs
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
     q = load_rows(q_ref, first_query, tiling, tiling.d_k)
@@ -202,33 +220,46 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, tiling: _Tiling, cmp_blo
     n_rows = q.shape[0]
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
-    def body(tile, carry):
+    def body(tile, carry, masked: bool):
         acc, row_max, row_sum = carry
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
-        v = v_ref[pl.ds(first_block, block_kv), :]
         # Scores in base 2 (exp2 is the cheap exponential on the GPU).
         s = _dot(q, k, trans_b=True) * (scale * LOG2_E)
-        s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s, -jnp.inf)
+        if masked:
+            s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s,
+                          -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(axis=1))
-        # A row that has seen no admissible block yet keeps max -inf; shift it by 0 instead so
-        # that exp2 gives 0, not NaN.
-        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        if masked:
+            # A row that has seen no admissible block yet keeps max -inf; shift it by 0 instead
+            # so that exp2 gives 0, not NaN.
+            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        else:
+            shift = new_max
         rescale = jnp.exp2(row_max - shift)
         p = jnp.exp2(s - shift[:, None])
         row_sum = row_sum * rescale + p.sum(axis=1)
-        acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+        if not lse_only:
+            v = v_ref[pl.ds(first_block, block_kv), :]
+            acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
-    n_tiles = lax.div(blocks_visible_to(first_query + q_tile - 1, **geometry) + block_kv - 1,
-                      block_kv)
-    init = (jnp.zeros((n_rows, v_ref.shape[1]), jnp.float32),
+    # Bulk: the tiles every row of the program sees whole (the first query sees them), with no
+    # mask; then the one or two tiles that cross some row's last admissible block, masked.
+    n_bulk = lax.div(blocks_visible_to(first_query, **geometry), jnp.int32(block_kv))
+    n_tiles = n_tiles_of(blocks_visible_to(first_query + q_tile - 1, **geometry), block_kv)
+    acc0 = (jnp.zeros((), jnp.float32) if lse_only
+            else jnp.zeros((n_rows, v_ref.shape[1]), jnp.float32))
+    init = (acc0,
             jnp.full((n_rows,), -jnp.inf, jnp.float32), jnp.zeros((n_rows,), jnp.float32))
-    acc, row_max, row_sum = lax.fori_loop(0, n_tiles, body, init)
+    carry = lax.fori_loop(0, n_bulk, functools.partial(body, masked=False), init)
+    acc, row_max, row_sum = lax.fori_loop(n_bulk, n_tiles, functools.partial(body, masked=True),
+                                          carry)
 
     empty = row_sum == 0.0
     safe_sum = jnp.where(empty, 1.0, row_sum)
-    store_rows(o_ref, acc / safe_sum[:, None], tiling, tiling.d_v)
+    if not lse_only:
+        store_rows(o_ref, acc / safe_sum[:, None], tiling, tiling.d_v)
     lse = jnp.where(empty, -jnp.inf, row_max * LN_2 + jnp.log(safe_sum))
     store_rows(lse_ref, lse, tiling, None)
 
@@ -248,61 +279,82 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
     position, real = row_positions(first_query, q_tile, tiling)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
-    def body(tile, dq):
+    def body(tile, dq, masked: bool):
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
         v = v_ref[pl.ds(first_block, block_kv), :]
         s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
-        # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
-        mask = admissible(position, real, first_block, block_kv, **geometry)
-        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
+        # Padded rows carry lse = +inf, so p = 0 there without a mask.
+        p = jnp.exp2(s2 - lse2[:, None])
+        if masked:
+            # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
+            p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p, 0.0)
         ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    n_tiles = lax.div(blocks_visible_to(first_query + q_tile - 1, **geometry) + block_kv - 1,
-                      block_kv)
-    dq = lax.fori_loop(0, n_tiles, body, jnp.zeros((q.shape[0], k_ref.shape[1]), jnp.float32))
+    n_bulk = lax.div(blocks_visible_to(first_query, **geometry), jnp.int32(block_kv))
+    n_tiles = n_tiles_of(blocks_visible_to(first_query + q_tile - 1, **geometry), block_kv)
+    dq = lax.fori_loop(0, n_bulk, functools.partial(body, masked=False),
+                       jnp.zeros((q.shape[0], k_ref.shape[1]), jnp.float32))
+    dq = lax.fori_loop(n_bulk, n_tiles, functools.partial(body, masked=True), dq)
     store_rows(dq_ref, dq * scale, tiling, tiling.d_k)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                 tiling: _Tiling, cmp_block: int, cmp_stride: int, scale: float, q_tile: int,
-                n_q_tiles: int, q_tiles_per_part: int, n_parts: int):
+                n_q_tiles: int, q_tiles_per_part: int, n_parts: int, transposed: bool):
     # Each program owns one tile of compressed keys and one part of the query tiles, and writes
     # that part's dK and dV partial sums once, without atomics: deterministic.
     block_kv = k_ref.shape[0]
-    part = lax.rem(pl.program_id(0), n_parts)
+    part = lax.rem(pl.program_id(0), jnp.int32(n_parts))
     first_block = pl.program_id(1) * block_kv
     k = k_ref[...]
     v = v_ref[...]
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
-    def body(q_index, carry):
+    def body(q_index, carry, masked: bool):
         dk, dv = carry
         first_query = q_index * q_tile
         rows = pl.ds(first_query, q_tile)
         q = load_rows(q_ref.at[rows], first_query, tiling, tiling.d_k)
         do = load_rows(do_ref.at[rows], first_query, tiling, tiling.d_v)
+        # Padded rows carry lse = +inf, so p = 0 there without a mask.
         lse2 = load_row_stats(lse_ref.at[rows], tiling) * LOG2_E
         delta = load_row_stats(delta_ref.at[rows], tiling)
         position, real = row_positions(first_query, q_tile, tiling)
-        # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`:
-        # the transposed-operand form `ds^T @ q` gave a wrong dK on the GPU at small tiles
-        # (d_k 16, h 2, bf16) while the interpreter agreed with the reference.
-        s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
-        mask_t = admissible(position, real, first_block, block_kv, tiling=tiling,
-                            cmp_block=cmp_block, cmp_stride=cmp_stride, transposed=True)
-        p_t = jnp.where(mask_t, jnp.exp2(s2_t - lse2[None, :]), 0.0)
-        dv = dv + _dot(p_t.astype(do.dtype), do)
-        ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
-        dk = dk + _dot(ds_t.astype(q.dtype), q)
+        if transposed:
+            # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`.
+            s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
+            p_t = jnp.exp2(s2_t - lse2[None, :])
+            if masked:
+                p_t = jnp.where(admissible(position, real, first_block, block_kv, **geometry,
+                                           transposed=True), p_t, 0.0)
+            dv = dv + _dot(p_t.astype(do.dtype), do)
+            ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
+            dk = dk + _dot(ds_t.astype(q.dtype), q)
+        else:
+            s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+            p = jnp.exp2(s2 - lse2[:, None])
+            if masked:
+                p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p,
+                              0.0)
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
-    # The first query that sees block `first_block` is t = first_block*d + l - 1.
-    first_q_tile = lax.div(first_block * cmp_stride + cmp_block - 1, q_tile)
+    # The first query that sees block `first_block` is t = first_block*d + l - 1; from the query
+    # tile whose first query sees the tile's last block on, no row needs a mask.
+    first_q_tile = lax.div(first_block * cmp_stride + cmp_block - 1, jnp.int32(q_tile))
+    last_block_seen_at = (first_block + block_kv - 1) * cmp_stride + cmp_block - 1
+    first_full_q_tile = lax.div(last_block_seen_at + q_tile - 1, jnp.int32(q_tile))
     start = jnp.maximum(first_q_tile, part * q_tiles_per_part)
     stop = jnp.minimum(n_q_tiles, (part + 1) * q_tiles_per_part)
+    start = jnp.minimum(start, stop)
+    split = jnp.clip(first_full_q_tile, start, stop)
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(jnp.minimum(start, stop), stop, body, init)
+    carry = lax.fori_loop(start, split, functools.partial(body, masked=True), init)
+    dk, dv = lax.fori_loop(split, stop, functools.partial(body, masked=False), carry)
     dk_ref[...] = dk * scale
     dv_ref[...] = dv
 
@@ -358,10 +410,12 @@ def _kv_spec(n_blocks: int, dim_pad: int):
     return pl.BlockSpec((None, n_blocks, None, dim_pad), lambda b, i, g: (b, 0, g, 0))
 
 
-def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret):
+def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret,
+             lse_only: bool = False):
+    """(o, lse); with `lse_only` (v_cmp may be None) just lse."""
     B, T, H, _ = q.shape
     G = k_cmp.shape[2]
-    tiling = _tiling(q, k_cmp, v_cmp)
+    tiling = _tiling(q, k_cmp, k_cmp if v_cmp is None else v_cmp)
     q_tile = tiling.q_tile(block_sizes.block_q)
     block_kv = block_sizes.block_kv
     n_q_tiles = pl.cdiv(T, q_tile)
@@ -369,21 +423,35 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
     n_kv = pl.cdiv(tiling.n_cmp, block_kv) * block_kv
     q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
     kernel = functools.partial(_fwd_kernel, tiling=tiling, cmp_block=cmp_block,
-                               cmp_stride=cmp_stride, scale=scale, block_kv=block_kv)
-    o, lse = pl.pallas_call(
+                               cmp_stride=cmp_stride, scale=scale, block_kv=block_kv,
+                               lse_only=lse_only)
+    lse_spec = _row_spec(q_tile, tiling, None)
+    lse_shape = jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad), jnp.float32)
+    inputs = [q5, _pad_kv(k_cmp, n_kv, tiling.dk_pad)]
+    in_specs = [_row_spec(q_tile, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad)]
+    if lse_only:
+        out_specs, out_shape = [lse_spec], [lse_shape]
+    else:
+        inputs.append(_pad_kv(v_cmp, n_kv, tiling.dv_pad))
+        in_specs.append(_kv_spec(n_kv, tiling.dv_pad))
+        out_specs = [_row_spec(q_tile, tiling, tiling.dv_pad), lse_spec]
+        out_shape = [jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dv_pad), q.dtype),
+                     lse_shape]
+    outs = pl.pallas_call(
         kernel,
         grid=(B, n_q_tiles, G),
-        in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
-                  _kv_spec(n_kv, tiling.dv_pad)],
-        out_specs=[_row_spec(q_tile, tiling, tiling.dv_pad), _row_spec(q_tile, tiling, None)],
-        out_shape=[jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dv_pad), q.dtype),
-                   jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad), jnp.float32)],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name="nsa_compressed_attention_fwd",
-    )(q5, _pad_kv(k_cmp, n_kv, tiling.dk_pad), _pad_kv(v_cmp, n_kv, tiling.dv_pad))
-    o = o[:, :T, :, :tiling.heads, :tiling.d_v]
-    return o.reshape(B, T, H, tiling.d_v), lse[:, :T, :, :tiling.heads].reshape(B, T, H)
+        name="nsa_compressed_lse" if lse_only else "nsa_compressed_attention_fwd",
+    )(*inputs)
+    lse = outs[-1][:, :T, :, :tiling.heads].reshape(B, T, H)
+    if lse_only:
+        return lse
+    o = outs[0][:, :T, :, :tiling.heads, :tiling.d_v]
+    return o.reshape(B, T, H, tiling.d_v), lse
 
 
 def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, block_sizes,
@@ -403,7 +471,8 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
 
     q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
     do5 = _pad_rows(_group_view(do, G), T_pad, tiling, tiling.dv_pad)
-    lse4 = _pad_rows(_group_view(lse, G), T_pad, tiling, None, value=-jnp.inf)
+    # +inf: padded rows get p = exp2(s - inf) = 0 in the kernels' unmasked tiles.
+    lse4 = _pad_rows(_group_view(lse, G), T_pad, tiling, None, value=jnp.inf)
     delta4 = _pad_rows(_group_view(delta, G), T_pad, tiling, None)
     k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
     v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
@@ -439,7 +508,8 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
         lambda bp, j, g: (lax.rem(bp, n_parts), lax.div(bp, n_parts), j, g, 0))
     dk_parts, dv_parts = pl.pallas_call(
         functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=n_q_tiles,
-                          q_tiles_per_part=q_tiles_per_part, n_parts=n_parts, **geometry),
+                          q_tiles_per_part=q_tiles_per_part, n_parts=n_parts,
+                          transposed=block_sizes.dkv_transposed, **geometry),
         grid=(B * n_parts, n_kv_tiles, G),
         in_specs=[seq_spec(tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
                   kv_tile_spec(tiling.dv_pad), seq_spec(tiling.dv_pad), seq_spec(None),
@@ -534,11 +604,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
     """
     scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
                          scale=scale)
-    if block_sizes is None:
-        block_sizes = FLOAT32_BLOCK_SIZES if jnp.dtype(q.dtype).itemsize >= 4 else BlockSizes()
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes must be a compressed_attention.BlockSizes, got "
-                         f"{type(block_sizes).__name__}")
+    block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0:
         # No compressed block exists yet (T < l): nothing to launch. o does not depend on the
@@ -549,6 +615,37 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
         silence_triton_deprecation()
     return _compressed_attention_jit(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
                                      interpret)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret):
+    return _forward(q, k_cmp, None, cmp_block, cmp_stride, scale, block_sizes, interpret,
+                    lse_only=True)
+
+
+def _default_block_sizes(q, block_sizes: Optional[BlockSizes]) -> BlockSizes:
+    if block_sizes is None:
+        return FLOAT32_BLOCK_SIZES if jnp.dtype(q.dtype).itemsize >= 4 else BlockSizes()
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a compressed_attention.BlockSizes, got "
+                         f"{type(block_sizes).__name__}")
+    return block_sizes
+
+
+def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional[float] = None,
+                   block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+    """The `lse [B, T, H]` (float32) of `compressed_attention` alone: the forward kernel without
+    values or output (half its work). For `select_blocks` when no compressed forward ran.
+    No gradient."""
+    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    block_sizes = _default_block_sizes(q, block_sizes)
+    B, T, H, _ = q.shape
+    if k_cmp.shape[1] == 0:
+        return jnp.full((B, T, H), -jnp.inf, jnp.float32)
+    if not interpret:
+        silence_triton_deprecation()
+    q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
+    return _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -66,12 +67,25 @@ from pallas_kernels.compressed_attention import (
 _NO_BLOCK = 2 ** 30
 
 
+TOPN_METHODS = ("pallas", "xla", "fused")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two, >= 16).
+    """Tile sizes and the top-n method.
 
     `block_q` counts rows of a query tile: queries times the `h` heads of one KV group (`h` padded
     to a power of two). `block_sel` counts selection blocks scored per step.
+
+    topn: how the `n_sel` best blocks of a score row are found.
+      "pallas": the score kernel writes each row's selection-block scores (float32, HBM), then a
+        top-n kernel takes `n_sel` argmax rounds over whole rows (`topn_elements` scores per
+        program: rows of up to 4096 blocks, i.e. T up to 256k at l_sel 64, in one pass).
+      "xla": the same scores, then `lax.top_k` and a sort.
+      "fused": one kernel keeps a running top-n in registers while it scores (no score buffer;
+        its data-dependent insertion rounds made it the slowest at 64k).
+    score_bytes: the score buffer is built for chunks of queries of at most this many bytes, so
+      memory stays bounded at any T.
     """
 
     # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
@@ -80,9 +94,18 @@ class BlockSizes:
     block_sel: int = 32
     num_warps: int = 8
     num_stages: int = 2
+    topn: str = "pallas"
+    topn_elements: int = 4096
+    num_warps_topn: int = 4
+    score_bytes: int = 1 << 30
 
     def __post_init__(self):
         check_tile_sizes(self)
+        if self.topn not in TOPN_METHODS:
+            raise ValueError(f"block_sizes.topn ({self.topn!r}) must be one of {TOPN_METHODS}")
+        if self.topn_elements != next_pow2(self.topn_elements):
+            raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
+                             f"of 2")
 
 
 def _insert_top(top_val, top_idx, score, index):
@@ -132,6 +155,32 @@ def _ascending(top_idx, n_sel: int):
     return jnp.where(out >= _NO_BLOCK, -1, out)
 
 
+def _overlap_tiles(width: int, block_sel: int, span: int, cmp_block: int, cmp_stride: int,
+                   sel_block: int):
+    """Overlap weights `[width, block_sel]` of a step's compressed blocks (rows) with its
+    selection blocks (columns), and of the previous step's. They do not depend on the step: a
+    step shifts blocks and selection blocks by the same `block_sel * l_sel` tokens. Integers
+    (d | l, d | l_sel) divided by d, as `nsa_common.overlap_weights`."""
+    a = lax.broadcasted_iota(jnp.int32, (width, block_sel), 0)
+    b = lax.broadcasted_iota(jnp.int32, (width, block_sel), 1)
+
+    def weights(shift):
+        start = (a - shift) * cmp_stride
+        overlap = (jnp.minimum(start + cmp_block, (b + 1) * sel_block)
+                   - jnp.maximum(start, b * sel_block))
+        overlap = jnp.where(a < span, jnp.maximum(overlap, 0), 0)
+        return lax.div(overlap, jnp.int32(cmp_stride)).astype(jnp.float32)
+
+    return weights(0), weights(span)
+
+
+def _to_sel(p_sum, w):
+    """[q_tile, width] x [width, S] -> [q_tile, S]; a tl.dot needs q_tile >= 16."""
+    if p_sum.shape[0] >= MATMUL_MIN:
+        return _dot(p_sum, w)
+    return (p_sum[:, :, None] * w[None, :, :]).sum(axis=1)
+
+
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block: int,
                    cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
                    scale: float, block_sel: int, span: int):
@@ -142,30 +191,11 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
     lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
     position, real = row_positions(first_query, q_tile, tiling)
     query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
-    last_sel = lax.div(query, sel_block)  # the last eligible selection block of each query
+    last_sel = lax.div(query, jnp.int32(sel_block))  # the last eligible selection block of each query
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
-    # Overlap weights of the current step's and the previous step's compressed blocks (rows)
-    # with this step's selection blocks (columns). They do not depend on the step: a step
-    # shifts blocks and selection blocks by the same S * l_sel tokens. Integers (d | l, d | l_sel).
-    a = lax.broadcasted_iota(jnp.int32, (width, block_sel), 0)
-    b = lax.broadcasted_iota(jnp.int32, (width, block_sel), 1)
-
-    def weights(shift):
-        start = (a - shift) * cmp_stride
-        overlap = (jnp.minimum(start + cmp_block, (b + 1) * sel_block)
-                   - jnp.maximum(start, b * sel_block))
-        overlap = jnp.where(a < span, jnp.maximum(overlap, 0), 0)
-        return lax.div(overlap, cmp_stride).astype(jnp.float32)
-
-    w_current, w_previous = weights(0), weights(span)
-
-    def to_sel(p_sum, w):
-        """[q_tile, width] x [width, S] -> [q_tile, S]; a tl.dot needs q_tile >= 16."""
-        if q_tile >= MATMUL_MIN:
-            return _dot(p_sum, w)
-        return (p_sum[:, :, None] * w[None, :, :]).sum(axis=1)
-
+    w_current, w_previous = _overlap_tiles(width, block_sel, span, cmp_block, cmp_stride,
+                                           sel_block)
     column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
 
     def step(k, carry):
@@ -178,7 +208,7 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
         mask = admissible(position, real, first_block, width, **geometry)
         p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
         p_sum = p.reshape(q_tile, tiling.h_pad, width).sum(axis=1)
-        score = to_sel(p_sum, w_current) + to_sel(previous, w_previous)
+        score = _to_sel(p_sum, w_current) + _to_sel(previous, w_previous)
 
         index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
         eligible = index <= last_sel[:, None]
@@ -189,7 +219,7 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
         return p_sum, top_val, top_idx
 
     last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
-    n_steps = lax.div(lax.div(last_query, sel_block), block_sel) + 1
+    n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)), jnp.int32(block_sel)) + 1
     # Slots past n_sel (n_sel padded to a power of two) hold +inf, so they are never the worst
     # member: the only +inf candidates are forced blocks, at most n_sel of them.
     init = (jnp.zeros((q_tile, width), jnp.float32),
@@ -201,6 +231,100 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
         idx_ref[...] = block_idx
     else:
         pltriton.store(idx_ref, block_idx, mask=column < n_sel)
+
+
+def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, tiling: _Tiling, cmp_block: int,
+                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
+                  block_sel: int, span: int, q_offset: int):
+    """Selection-block scores of a query tile, `[q_tile, n_cols]` float32: forced blocks +inf,
+    blocks after the query's own -inf. Steps as in `_select_kernel`."""
+    q_tile = q_ref.shape[0]
+    width = matmul_dim(span)
+    first_query = q_offset + pl.program_id(1) * q_tile
+    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
+    position, real = row_positions(first_query, q_tile, tiling)
+    query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
+    last_sel = lax.div(query, jnp.int32(sel_block))
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+    w_current, w_previous = _overlap_tiles(width, block_sel, span, cmp_block, cmp_stride,
+                                           sel_block)
+
+    def step(k, previous):
+        first_block = k * span
+        keys = k_ref[pl.ds(first_block, width), :]
+        s2 = _dot(q, keys, trans_b=True) * (scale * LOG2_E)
+        mask = admissible(position, real, first_block, width, **geometry)
+        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
+        p_sum = p.reshape(q_tile, tiling.h_pad, width).sum(axis=1)
+        score = _to_sel(p_sum, w_current) + _to_sel(previous, w_previous)
+        index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
+        eligible = index <= last_sel[:, None]
+        forced = (index < n_init) | (index > last_sel[:, None] - n_local)
+        score_ref[:, pl.ds(k * block_sel, block_sel)] = jnp.where(
+            eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
+        return p_sum
+
+    last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
+    n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)), jnp.int32(block_sel)) + 1
+    lax.fori_loop(0, n_steps, step, jnp.zeros((q_tile, width), jnp.float32))
+
+    def blank(k, carry):  # blocks after the tile's last query: never eligible
+        score_ref[:, pl.ds(k * block_sel, block_sel)] = jnp.full((q_tile, block_sel), -jnp.inf,
+                                                                 jnp.float32)
+        return carry
+
+    lax.fori_loop(n_steps, score_ref.shape[1] // block_sel, blank, 0)
+
+
+def _topn_kernel(score_ref, idx_ref, *, n_sel: int):
+    """`n_sel` argmax rounds over whole score rows `[R, n_cols]`: each round takes every row's
+    best score, the lowest index among equal bests (the spec's tie rule), and removes it; a
+    `-inf` best (nothing eligible left) yields no block. Output ascending, `-1` padded."""
+    score = score_ref[...]
+    column = lax.broadcasted_iota(jnp.int32, score.shape, 1)
+    slot = lax.broadcasted_iota(jnp.int32, idx_ref.shape, 1)
+
+    def pick(i, carry):
+        score, chosen = carry
+        best = score.max(axis=1)
+        index = jnp.where(score == best[:, None], column, _NO_BLOCK).min(axis=1)
+        index = jnp.where(best == -jnp.inf, _NO_BLOCK, index)
+        chosen = jnp.where(slot == i, index[:, None], chosen)
+        score = jnp.where(column == index[:, None], -jnp.inf, score)
+        return score, chosen
+
+    _, chosen = lax.fori_loop(0, n_sel, pick,
+                              (score, jnp.full(idx_ref.shape, _NO_BLOCK, jnp.int32)))
+    idx_ref[...] = _ascending(chosen, n_sel)
+
+
+def _top_n_xla(score, n_sel: int):
+    """`lax.top_k` (lower index first among equal values) and an ascending sort."""
+    value, index = lax.top_k(score, n_sel)
+    index = jnp.sort(jnp.where(value == -jnp.inf, _NO_BLOCK, index), axis=-1)
+    return jnp.where(index >= _NO_BLOCK, -1, index).astype(jnp.int32)
+
+
+def _top_n_pallas(score, n_sel: int, block_sizes: BlockSizes, interpret: bool):
+    """score `[..., n_cols]` (n_cols a power of 2) -> ascending block_idx `[..., n_sel]`."""
+    lead, n_cols = score.shape[:-1], score.shape[-1]
+    rows = score.reshape(-1, n_cols)
+    per_program = max(1, min(16, block_sizes.topn_elements // n_cols))
+    n_rows = pl.cdiv(rows.shape[0], per_program) * per_program
+    rows = pad_axis(rows, 0, n_rows, value=-jnp.inf)
+    n_sel_pad = next_pow2(n_sel)
+    idx = pl.pallas_call(
+        functools.partial(_topn_kernel, n_sel=n_sel),
+        grid=(n_rows // per_program,),
+        in_specs=[pl.BlockSpec((per_program, n_cols), lambda r: (r, 0))],
+        out_specs=pl.BlockSpec((per_program, n_sel_pad), lambda r: (r, 0)),
+        out_shape=jax.ShapeDtypeStruct((n_rows, n_sel_pad), jnp.int32),
+        compiler_params=triton_compiler_params(block_sizes.num_warps_topn, 1),
+        interpret=interpret,
+        name="nsa_select_top_n",
+    )(rows)
+    return idx[:math.prod(lead), :n_sel].reshape(*lead, n_sel)
 
 
 def _selection_config(*, cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local) -> NSAConfig:
@@ -225,31 +349,73 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     tiling = _Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                      d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
     q_tile = tiling.q_tile(block_sizes.block_q)
-    n_q_tiles = pl.cdiv(T, q_tile)
-    T_pad = n_q_tiles * q_tile
     block_sel = block_sizes.block_sel
     span = block_sel * (sel_block // cmp_stride)
     n_steps = ((T - 1) // sel_block) // block_sel + 1
     n_blocks = max(tiling.n_cmp, (n_steps - 1) * span + matmul_dim(span))
     k_pad = pad_axis(pad_axis(k_cmp, 1, n_blocks), 3, tiling.dk_pad)
+    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                    sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
+                    block_sel=block_sel, span=span)
+    q5 = _group_view(q, G)
+    lse4 = _group_view(lse.astype(jnp.float32), G)
+    if block_sizes.topn == "fused":
+        return _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpret)
+
+    # Score columns: every selection block, a power of two (the top-n kernel's rows), >= n_sel.
+    n_cols = next_pow2(max(n_steps * block_sel, n_sel))
+    bytes_per_query = B * G * n_cols * 4
+    chunk = max(q_tile, block_sizes.score_bytes // bytes_per_query // q_tile * q_tile)
+    pieces = []
+    for start in range(0, T, chunk):  # static: a bounded score buffer per chunk of queries
+        stop = min(T, start + chunk)
+        n_q_tiles = pl.cdiv(stop - start, q_tile)
+        rows_pad = n_q_tiles * q_tile
+        kernel = functools.partial(_score_kernel, q_offset=start, **geometry)
+        score = pl.pallas_call(
+            kernel,
+            grid=(B, n_q_tiles, G),
+            in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
+                      pl.BlockSpec((None, n_blocks, None, tiling.dk_pad),
+                                   lambda b, i, g: (b, 0, g, 0)),
+                      _row_spec(q_tile, tiling, None)],
+            out_specs=pl.BlockSpec((None, q_tile, None, n_cols), lambda b, i, g: (b, i, g, 0)),
+            out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, n_cols), jnp.float32),
+            compiler_params=triton_compiler_params(block_sizes.num_warps,
+                                                   block_sizes.num_stages),
+            interpret=interpret,
+            name="nsa_select_scores",
+        )(_pad_rows(q5[:, start:stop], rows_pad, tiling, tiling.dk_pad), k_pad,
+          _pad_rows(lse4[:, start:stop], rows_pad, tiling, None, value=-jnp.inf))
+        score = score[:, :stop - start]
+        if block_sizes.topn == "xla":
+            pieces.append(_top_n_xla(score, n_sel))
+        else:
+            pieces.append(_top_n_pallas(score, n_sel, block_sizes, interpret))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
+def _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpret):
+    tiling = geometry["tiling"]
+    B, T, G = q5.shape[:3]
+    n_q_tiles = pl.cdiv(T, q_tile)
+    T_pad = n_q_tiles * q_tile
     n_sel_pad = next_pow2(n_sel)
-    kernel = functools.partial(
-        _select_kernel, tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
-        sel_block=sel_block, n_sel=n_sel, n_init=n_init, n_local=n_local, scale=scale,
-        block_sel=block_sel, span=span)
+    kernel = functools.partial(_select_kernel, n_sel=n_sel, **geometry)
     block_idx = pl.pallas_call(
         kernel,
         grid=(B, n_q_tiles, G),
         in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
-                  pl.BlockSpec((None, n_blocks, None, tiling.dk_pad), lambda b, i, g: (b, 0, g, 0)),
+                  pl.BlockSpec((None, k_pad.shape[1], None, tiling.dk_pad),
+                               lambda b, i, g: (b, 0, g, 0)),
                   _row_spec(q_tile, tiling, None)],
         out_specs=pl.BlockSpec((None, q_tile, None, n_sel_pad), lambda b, i, g: (b, i, g, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T_pad, G, n_sel_pad), jnp.int32),
         compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
         name="nsa_select_blocks",
-    )(_pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad), k_pad,
-      _pad_rows(_group_view(lse.astype(jnp.float32), G), T_pad, tiling, None, value=-jnp.inf))
+    )(_pad_rows(q5, T_pad, tiling, tiling.dk_pad), k_pad,
+      _pad_rows(lse4, T_pad, tiling, None, value=-jnp.inf))
     return block_idx[:, :T, :, :n_sel]
 
 

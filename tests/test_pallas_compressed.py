@@ -2,6 +2,8 @@
 and the float64 brute force: outputs, lse, gradients, and the spec's edge cases."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import bruteforce as bf
 from conftest import jax_has_gpu
 from nsa_common import NSAConfig
 from pallas_kernels.compressed_attention import (
+    FLOAT32_BLOCK_SIZES,
     BlockSizes,
     compressed_attention,
     compressed_attention_reference,
@@ -64,13 +67,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}G{}dk{}dv{}l{}d{}".format(*c))
-def test_forward_and_gradients_float32(case):
+@pytest.mark.parametrize("case, dkv_transposed",
+                         [(c, True) for c in CASES] + [(CASES[1], False)],
+                         ids=lambda c: ("B{}T{}H{}G{}dk{}dv{}l{}d{}".format(*c)
+                                        if isinstance(c, tuple) else f"transposed={c}"))
+def test_forward_and_gradients_float32(case, dkv_transposed):
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(0, *case)
     kw = dict(cmp_block=l, cmp_stride=d)
+    tiles = dataclasses.replace(SMALL, dkv_transposed=dkv_transposed)
     o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse,
-                                     block_sizes=SMALL, interpret=True, **kw)
+                                     block_sizes=tiles, interpret=True, **kw)
     o_ref, lse_ref, grad_ref = outputs_and_grads(compressed_attention_reference, q, k, v, do,
                                                  dlse, **kw)
     assert o.shape == (B, T, H, d_v) and o.dtype == q.dtype
@@ -150,11 +157,17 @@ def test_bad_inputs_raise_value_error():
     (1, 2048, 64, 4, 128, 128, 32, 16),   # paper sizes: float32 tiles must fit shared memory
     (2, 80, 4, 2, 16, 8, 8, 4),           # the parity report's tiny preset
 ])
-def test_gpu_matches_reference(dtype, case):
+@pytest.mark.parametrize("dkv_transposed", [True, False])
+def test_gpu_matches_reference(dtype, case, dkv_transposed):
     B, T, H, G, d_k, d_v, l, d = case
     q, k, v, do, dlse = make_inputs(4, *case, dtype=dtype)
     kw = dict(cmp_block=l, cmp_stride=d)
-    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse, **kw)
+    tiles = None
+    if not dkv_transposed:
+        tiles = FLOAT32_BLOCK_SIZES if dtype == jnp.float32 else BlockSizes()
+        tiles = dataclasses.replace(tiles, dkv_transposed=False)
+    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse, block_sizes=tiles,
+                                     **kw)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     o_ref, lse_ref, grad_ref = outputs_and_grads(compressed_attention_reference, *f32, do, dlse,
                                                  **kw)

@@ -14,6 +14,7 @@ from nsa_common import NSAConfig
 from pallas_kernels.compressed_attention import (
     compressed_attention,
     compressed_attention_reference,
+    compressed_lse,
 )
 from pallas_kernels.select_blocks import BlockSizes, select_blocks, select_blocks_reference
 
@@ -140,3 +141,28 @@ def test_gpu_matches_reference():
     reference = np.asarray(select_blocks_reference(q, k, lse, **kw))
     # On the GPU the scores are summed in another order; a flipped near-tie may differ.
     assert (block_idx == reference).all(axis=-1).mean() >= 0.999
+
+
+@pytest.mark.parametrize("topn", ["xla", "fused"])
+def test_top_n_methods_agree(topn):
+    """Every top-n method gives the same block_idx, also with the score buffer cut into several
+    chunks of queries (`score_bytes` small)."""
+    q, k = make_inputs(5, 1, 300, 2, 1, 16, 4, 2)
+    kw = selection(4, 2, 8, 4, 1, 2)
+    lse = compressed_lse(q, k, cmp_block=4, cmp_stride=2, interpret=True)
+    expected = select_blocks(q, k, lse, interpret=True, **kw,
+                             block_sizes=BlockSizes(block_q=64, block_sel=16,
+                                                    score_bytes=64 * 4 * 64))
+    np.testing.assert_array_equal(expected, brute_force(q, k, kw))
+    got = select_blocks(q, k, lse, interpret=True, **kw,
+                        block_sizes=BlockSizes(block_q=64, block_sel=16, topn=topn))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_compressed_lse_matches_the_forward():
+    q, k = make_inputs(6, 1, 70, 4, 2, 16, 8, 4)
+    _, lse = compressed_attention(q, k, k, cmp_block=8, cmp_stride=4, interpret=True)
+    lse_only = compressed_lse(q, k, cmp_block=8, cmp_stride=4, interpret=True)
+    np.testing.assert_array_equal(np.isneginf(lse_only), np.isneginf(lse))
+    finite = np.isfinite(np.asarray(lse))
+    np.testing.assert_allclose(np.asarray(lse_only)[finite], np.asarray(lse)[finite], rtol=1e-6)
