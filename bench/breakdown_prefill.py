@@ -8,6 +8,8 @@ calls it, forward and forward+backward where the stage has a gradient:
   select     select_blocks(..., lse=lse) (no gradient)
   selected   selected_attention on the block_idx the selection chose
   window     sliding_window_attention
+  window_fa3 the same window through FlashAttention-3's `window_size` (when installed): a
+             candidate path, not what the layer runs
   core       the whole core (the sum of the above plus the gate combine)
   fa3_full   FlashAttention-3 full causal attention on the same q/k/v shapes (when installed)
 
@@ -35,7 +37,8 @@ from bench import bench_prefill  # noqa: E402
 
 COLUMNS = ["variant", "stage", "pass", "S", "status", "ms", "ms_min", "ms_max", "note", "device",
            "commit"]
-STAGES = ("compress", "cmp_attn", "select", "selected", "window", "core", "fa3_full")
+STAGES = ("compress", "cmp_attn", "select", "selected", "window", "window_fa3", "core",
+          "fa3_full")
 KERNELS = {"cmp": "compressed_blocks", "select": "select_blocks", "selected": "selected_blocks"}
 
 
@@ -120,7 +123,13 @@ def stage_functions(cfg, options) -> dict[str, tuple[Callable, Callable, bool]]:
     def window(q, k, v):
         return nsa_jax.sliding_window_attention(q, k, v, cfg.window, **kw)
 
+    def window_fa3(q, k, v):
+        from flash_attn3_jax import flash_mha
+
+        return flash_mha(q, k, v, is_causal=True, window_size=(cfg.window - 1, 0))
+
     return {
+        "window_fa3": (window_fa3, lambda a: (a["q"], a["k_win"], a["v_win"]), True),
         "compress": (compress, lambda a: (a["k_cmp_in"], a["v_cmp_in"], a["cmp_params"]), True),
         "cmp_attn": (cmp_attn, lambda a: (a["q"], a["k_cmp"], a["v_cmp"]), True),
         "select": (select, lambda a: (a["q"], a["k_cmp"], a["lse"]), False),
@@ -154,7 +163,7 @@ def run(args) -> list[dict[str, Any]]:
     import jax
 
     cfg = bench_prefill.nsa_config(args)
-    device = common.device_name(args.device)
+    device = args.device_label = common.device_name(args.device)
     commit = common.git_commit()[:12]
     records = []
     for S in args.S:

@@ -69,7 +69,7 @@ class BlockSizes:
     # dK/dV from transposed scores `k q^T` (plain `a @ b` products) or from `q k^T` with
     # transposed-operand products. The latter gave a wrong bf16 dK on an H200 at d_k 16 (before
     # head dims were padded to >= 32).
-    dkv_transposed: bool = True
+    dkv_transposed: bool = False
 
     def __post_init__(self):
         check_tile_sizes(self)

@@ -51,6 +51,7 @@ from pallas_kernels._common import (
 )
 from pallas_kernels.compressed_attention import (
     _dot,
+    blocks_visible_to,
     _group_view,
     _pad_rows,
     _reference_mask,
@@ -174,58 +175,123 @@ def _overlap_tiles(width: int, block_sel: int, span: int, cmp_block: int, cmp_st
     return weights(0), weights(span)
 
 
-def _to_sel(p_sum, w):
-    """[q_tile, width] x [width, S] -> [q_tile, S]; a tl.dot needs q_tile >= 16."""
-    if p_sum.shape[0] >= MATMUL_MIN:
-        return _dot(p_sum, w)
-    return (p_sum[:, :, None] * w[None, :, :]).sum(axis=1)
+def _exact_dot(a, b, *, split: str):
+    """`a @ b` in float32 accuracy on the matrix units, for one float32 operand (`split`: "a" or
+    "b") and one that bf16 holds exactly (0/1 or small integers): the float32 operand is split
+    into two bf16 halves (hi + lo, relative error ~2^-17) and the products accumulate in float32.
+    A float32 `tl.dot` at HIGHEST precision would run on the CUDA cores instead."""
+    x = a if split == "a" else b
+    hi = x.astype(jnp.bfloat16)
+    lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    if split == "a":
+        b = b.astype(jnp.bfloat16)
+        return _dot(hi, b) + _dot(lo, b)
+    a = a.astype(jnp.bfloat16)
+    return _dot(a, hi) + _dot(a, lo)
 
 
-def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block: int,
-                   cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
-                   scale: float, block_sel: int, span: int):
-    q_tile = q_ref.shape[0]
-    width = matmul_dim(span)  # compressed blocks loaded per step (>= span)
-    first_query = pl.program_id(1) * q_tile
-    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
-    lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
-    position, real = row_positions(first_query, q_tile, tiling)
-    query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
-    last_sel = lax.div(query, jnp.int32(sel_block))  # the last eligible selection block of each query
-    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+class _Scorer:
+    """What the scoring kernels share: the selection-block scores of one query tile, one step
+    (`block_sel` selection blocks, `span` compressed blocks) at a time.
 
-    w_current, w_previous = _overlap_tiles(width, block_sel, span, cmp_block, cmp_stride,
-                                           sel_block)
-    column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
+    Step `k` covers selection blocks `[k*S, (k+1)*S)` and the compressed blocks
+    `[k*span, (k+1)*span)` that start inside them; a compressed block that starts in the previous
+    step's range can still overlap this step's first selection block (when `l > d`), so the
+    head-summed probabilities of the previous step are carried and weighted too (each `q k^T`
+    is computed once). Steps whose compressed blocks every row of the tile sees whole need no
+    mask (`n_bulk`)."""
 
-    def step(k, carry):
-        previous, top_val, top_idx = carry
-        first_block = k * span
-        keys = k_ref[pl.ds(first_block, width), :]
-        s2 = _dot(q, keys, trans_b=True) * (scale * LOG2_E)
-        # Columns past `span` belong to the next step; their weight rows are zero here and in
-        # `w_previous`, so they need no mask.
-        mask = admissible(position, real, first_block, width, **geometry)
-        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
-        p_sum = p.reshape(q_tile, tiling.h_pad, width).sum(axis=1)
-        score = _to_sel(p_sum, w_current) + _to_sel(previous, w_previous)
+    def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: _Tiling, cmp_block: int,
+                 cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
+                 block_sel: int, span: int):
+        self.k_ref, self.tiling, self.scale = k_ref, tiling, scale
+        self.block_sel, self.span, self.n_init, self.n_local = block_sel, span, n_init, n_local
+        self.q_tile = q_tile = q_ref.shape[0]
+        self.width = width = matmul_dim(span)  # compressed blocks loaded per step (>= span)
+        self.q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+        self.lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
+        self.position, self.real = row_positions(first_query, q_tile, tiling)
+        query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
+        self.last_sel = lax.div(query, jnp.int32(sel_block))  # each query's last eligible block
+        self.geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
+        self.w_current, self.w_previous = _overlap_tiles(width, block_sel, span, cmp_block,
+                                                         cmp_stride, sel_block)
+        last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
+        self.n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)),
+                               jnp.int32(block_sel)) + 1
+        # Steps whose `width` loaded blocks the first query sees: no mask, no empty rows.
+        seen_by_all = blocks_visible_to(first_query, **self.geometry)
+        self.n_bulk = jnp.minimum(lax.div(jnp.maximum(seen_by_all - width, -span) + span,
+                                          jnp.int32(span)), self.n_steps)
+        # [q_tile, rows] 0/1: sums a query's real heads (rows r = query * h_pad + head).
+        rows = q_tile * tiling.h_pad
+        i = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 0)
+        r = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 1)
+        self.summer = ((lax.div(r, jnp.int32(tiling.h_pad)) == i)
+                       & (lax.rem(r, jnp.int32(tiling.h_pad)) < tiling.heads))
 
-        index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
-        eligible = index <= last_sel[:, None]
-        forced = (index < n_init) | (index > last_sel[:, None] - n_local)
+    def init(self):
+        return jnp.zeros((self.q_tile, self.width), jnp.float32)
+
+    def step(self, k, previous, masked: bool):
+        """(scores `[q_tile, block_sel]` with forced blocks +inf and ineligible ones -inf, the
+        head-summed probabilities `[q_tile, width]` to carry into step k + 1)."""
+        first_block = k * self.span
+        keys = self.k_ref[pl.ds(first_block, self.width), :]
+        s2 = _dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
+        p = jnp.exp2(s2 - self.lse2[:, None])
+        # A non-finite row (NaN in q or lse) must not reach the other queries of the tile
+        # through `0 * NaN` in the head-sum product: it scores 0 instead.
+        p = jnp.where((p == p) & (p < jnp.inf), p, 0.0)
+        if masked:
+            # Columns past `span` belong to the next step; their weight rows are zero here and in
+            # `w_previous`, so only admissibility is masked.
+            p = jnp.where(admissible(self.position, self.real, first_block, self.width,
+                                     **self.geometry), p, 0.0)
+        if self.q_tile >= MATMUL_MIN:
+            # Padded heads get weight 0 in `summer`, also in unmasked steps where their p is not.
+            p_sum = _exact_dot(self.summer, p, split="b")
+            score = (_exact_dot(p_sum, self.w_current, split="a")
+                     + _exact_dot(previous, self.w_previous, split="a"))
+        else:  # a tl.dot needs >= 16 rows: tiny tiles sum in registers
+            p = jnp.where(self.real[:, None], p, 0.0)
+            p_sum = p.reshape(self.q_tile, self.tiling.h_pad, self.width).sum(axis=1)
+            score = ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
+                     + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
+        index = k * self.block_sel + lax.broadcasted_iota(jnp.int32,
+                                                          (self.q_tile, self.block_sel), 1)
+        eligible = index <= self.last_sel[:, None]
+        forced = (index < self.n_init) | (index > self.last_sel[:, None] - self.n_local)
         score = jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
+        return score, p_sum
 
-        top_val, top_idx = _insert_top(top_val, top_idx, score, index)
-        return p_sum, top_val, top_idx
+    def run(self, body, carry):
+        """fori_loop `body(k, (previous, carry), masked)` over the unmasked steps, then the
+        masked ones; returns the final carry."""
+        state = (self.init(), carry)
+        state = lax.fori_loop(0, self.n_bulk, functools.partial(body, masked=False), state)
+        state = lax.fori_loop(self.n_bulk, self.n_steps, functools.partial(body, masked=True),
+                              state)
+        return state[1]
 
-    last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
-    n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)), jnp.int32(block_sel)) + 1
+
+def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, n_sel: int, **geometry):
+    """Scores and a running top-n in registers (`_insert_top`), one kernel."""
+    q_tile = q_ref.shape[0]
+    scorer = _Scorer(q_ref, k_ref, lse_ref, pl.program_id(1) * q_tile, **geometry)
+    column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
+    block_sel = geometry["block_sel"]
+
+    def body(k, state, masked):
+        previous, (top_val, top_idx) = state
+        score, p_sum = scorer.step(k, previous, masked)
+        index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
+        return p_sum, _insert_top(top_val, top_idx, score, index)
+
     # Slots past n_sel (n_sel padded to a power of two) hold +inf, so they are never the worst
     # member: the only +inf candidates are forced blocks, at most n_sel of them.
-    init = (jnp.zeros((q_tile, width), jnp.float32),
-            jnp.where(column < n_sel, -jnp.inf, jnp.inf).astype(jnp.float32),
-            _NO_BLOCK + column)
-    _, _, top_idx = lax.fori_loop(0, n_steps, step, init)
+    init = (jnp.where(column < n_sel, -jnp.inf, jnp.inf).astype(jnp.float32), _NO_BLOCK + column)
+    _, top_idx = scorer.run(body, init)
     block_idx = _ascending(top_idx, n_sel)
     if idx_ref.shape[1] == n_sel:
         idx_ref[...] = block_idx
@@ -233,48 +299,27 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, tiling: _Tiling, cmp_block
         pltriton.store(idx_ref, block_idx, mask=column < n_sel)
 
 
-def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, tiling: _Tiling, cmp_block: int,
-                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
-                  block_sel: int, span: int, q_offset: int):
-    """Selection-block scores of a query tile, `[q_tile, n_cols]` float32: forced blocks +inf,
-    blocks after the query's own -inf. Steps as in `_select_kernel`."""
+def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, q_offset: int, **geometry):
+    """Selection-block scores of a query tile into `score_ref [q_tile, n_cols]` (float32):
+    forced blocks +inf, blocks after the query's own -inf."""
     q_tile = q_ref.shape[0]
-    width = matmul_dim(span)
-    first_query = q_offset + pl.program_id(1) * q_tile
-    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
-    lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
-    position, real = row_positions(first_query, q_tile, tiling)
-    query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
-    last_sel = lax.div(query, jnp.int32(sel_block))
-    geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
-    w_current, w_previous = _overlap_tiles(width, block_sel, span, cmp_block, cmp_stride,
-                                           sel_block)
+    scorer = _Scorer(q_ref, k_ref, lse_ref, q_offset + pl.program_id(1) * q_tile, **geometry)
+    block_sel = geometry["block_sel"]
 
-    def step(k, previous):
-        first_block = k * span
-        keys = k_ref[pl.ds(first_block, width), :]
-        s2 = _dot(q, keys, trans_b=True) * (scale * LOG2_E)
-        mask = admissible(position, real, first_block, width, **geometry)
-        p = jnp.where(mask, jnp.exp2(s2 - lse2[:, None]), 0.0)
-        p_sum = p.reshape(q_tile, tiling.h_pad, width).sum(axis=1)
-        score = _to_sel(p_sum, w_current) + _to_sel(previous, w_previous)
-        index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
-        eligible = index <= last_sel[:, None]
-        forced = (index < n_init) | (index > last_sel[:, None] - n_local)
-        score_ref[:, pl.ds(k * block_sel, block_sel)] = jnp.where(
-            eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
-        return p_sum
+    def body(k, state, masked):
+        previous, carry = state
+        score, p_sum = scorer.step(k, previous, masked)
+        score_ref[:, pl.ds(k * block_sel, block_sel)] = score
+        return p_sum, carry
 
-    last_query = jnp.minimum(first_query + q_tile - 1, tiling.seq_len - 1)
-    n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)), jnp.int32(block_sel)) + 1
-    lax.fori_loop(0, n_steps, step, jnp.zeros((q_tile, width), jnp.float32))
+    scorer.run(body, jnp.int32(0))
 
     def blank(k, carry):  # blocks after the tile's last query: never eligible
         score_ref[:, pl.ds(k * block_sel, block_sel)] = jnp.full((q_tile, block_sel), -jnp.inf,
                                                                  jnp.float32)
         return carry
 
-    lax.fori_loop(n_steps, score_ref.shape[1] // block_sel, blank, 0)
+    lax.fori_loop(scorer.n_steps, score_ref.shape[1] // block_sel, blank, 0)
 
 
 def _topn_kernel(score_ref, idx_ref, *, n_sel: int):
@@ -386,7 +431,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
             interpret=interpret,
             name="nsa_select_scores",
         )(_pad_rows(q5[:, start:stop], rows_pad, tiling, tiling.dk_pad), k_pad,
-          _pad_rows(lse4[:, start:stop], rows_pad, tiling, None, value=-jnp.inf))
+          _pad_rows(lse4[:, start:stop], rows_pad, tiling, None, value=jnp.inf))
         score = score[:, :stop - start]
         if block_sizes.topn == "xla":
             pieces.append(_top_n_xla(score, n_sel))
@@ -415,7 +460,7 @@ def _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpr
         interpret=interpret,
         name="nsa_select_blocks",
     )(_pad_rows(q5, T_pad, tiling, tiling.dk_pad), k_pad,
-      _pad_rows(lse4, T_pad, tiling, None, value=-jnp.inf))
+      _pad_rows(lse4, T_pad, tiling, None, value=jnp.inf))
     return block_idx[:, :T, :, :n_sel]
 
 
