@@ -169,7 +169,15 @@ def run(args) -> list[dict[str, Any]]:
     for S in args.S:
         for name, fields in args.variants:
             options = pallas_options(fields)
-            sets = [prepare(cfg, args, S, seed, options) for seed in range(args.rotate)]
+            try:
+                sets = [prepare(cfg, args, S, seed, options) for seed in range(args.rotate)]
+            except Exception as exc:  # a variant that does not compile is a row, not a crash
+                record = dict(variant=name, stage="prepare", S=S, device=device, commit=commit,
+                              status=common.classify_exception(exc), note=common.short_error(exc),
+                              **{"pass": "fwd"})
+                records.append(record)
+                print(_line(record), flush=True)
+                continue
             functions = stage_functions(cfg, options)
             for stage in args.stages:
                 if stage == "fa3_full":

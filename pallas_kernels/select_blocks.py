@@ -92,7 +92,10 @@ class BlockSizes:
     # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
     # (bench/bench_compressed.py --sweep).
     block_q: int = 256
-    block_sel: int = 32
+    # 16 selection blocks (64 compressed blocks at l_sel = 4d) per step: with 32, the score
+    # kernel's tiles (q, two stages of keys, the bf16 halves of p) asked an H100 for 256 KiB of
+    # its 227 KiB of shared memory.
+    block_sel: int = 16
     num_warps: int = 8
     num_stages: int = 2
     topn: str = "pallas"
