@@ -92,16 +92,17 @@ class BlockSizes:
     # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
     # (bench/bench_compressed.py --sweep).
     block_q: int = 256
-    # 16 selection blocks (64 compressed blocks at l_sel = 4d) per step: with 32, the score
-    # kernel's tiles (q, two stages of keys, the bf16 halves of p) asked an H100 for 256 KiB of
-    # its 227 KiB of shared memory.
-    block_sel: int = 16
+    block_sel: int = 32
     num_warps: int = 8
     num_stages: int = 2
     topn: str = "pallas"
     topn_elements: int = 4096
     num_warps_topn: int = 4
     score_bytes: int = 1 << 30
+    # Sum a query's heads with a 0/1 matrix product (bf16 halves of p on the matrix units) rather
+    # than a register reshape + sum. Off by default: on an H100 at 64k it was slower, 29.4 ms
+    # (block_sel 16, which its shared memory needs) against 19.2 ms for the whole selection.
+    head_sum_dot: bool = False
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -206,8 +207,9 @@ class _Scorer:
 
     def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: _Tiling, cmp_block: int,
                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
-                 block_sel: int, span: int):
+                 block_sel: int, span: int, head_sum_dot: bool):
         self.k_ref, self.tiling, self.scale = k_ref, tiling, scale
+        self.head_sum_dot = head_sum_dot
         self.block_sel, self.span, self.n_init, self.n_local = block_sel, span, n_init, n_local
         self.q_tile = q_tile = q_ref.shape[0]
         self.width = width = matmul_dim(span)  # compressed blocks loaded per step (>= span)
@@ -226,12 +228,17 @@ class _Scorer:
         seen_by_all = blocks_visible_to(first_query, **self.geometry)
         self.n_bulk = jnp.minimum(lax.div(jnp.maximum(seen_by_all - width, -span) + span,
                                           jnp.int32(span)), self.n_steps)
-        # [q_tile, rows] 0/1: sums a query's real heads (rows r = query * h_pad + head).
+        if head_sum_dot:
+            self.summer = self._summer(q_tile, tiling)
+
+    @staticmethod
+    def _summer(q_tile: int, tiling: _Tiling):
+        """[q_tile, rows] 0/1: sums a query's real heads (rows r = query * h_pad + head)."""
         rows = q_tile * tiling.h_pad
         i = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 0)
         r = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 1)
-        self.summer = ((lax.div(r, jnp.int32(tiling.h_pad)) == i)
-                       & (lax.rem(r, jnp.int32(tiling.h_pad)) < tiling.heads))
+        return ((lax.div(r, jnp.int32(tiling.h_pad)) == i)
+                & (lax.rem(r, jnp.int32(tiling.h_pad)) < tiling.heads))
 
     def init(self):
         return jnp.zeros((self.q_tile, self.width), jnp.float32)
@@ -251,16 +258,20 @@ class _Scorer:
             # `w_previous`, so only admissibility is masked.
             p = jnp.where(admissible(self.position, self.real, first_block, self.width,
                                      **self.geometry), p, 0.0)
-        if self.q_tile >= MATMUL_MIN:
+        if self.head_sum_dot and self.q_tile >= MATMUL_MIN:
             # Padded heads get weight 0 in `summer`, also in unmasked steps where their p is not.
             p_sum = _exact_dot(self.summer, p, split="b")
             score = (_exact_dot(p_sum, self.w_current, split="a")
                      + _exact_dot(previous, self.w_previous, split="a"))
-        else:  # a tl.dot needs >= 16 rows: tiny tiles sum in registers
-            p = jnp.where(self.real[:, None], p, 0.0)
+        else:
+            p = jnp.where(self.real[:, None], p, 0.0)  # padded heads
             p_sum = p.reshape(self.q_tile, self.tiling.h_pad, self.width).sum(axis=1)
-            score = ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
-                     + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
+            if self.q_tile >= MATMUL_MIN:
+                score = (_exact_dot(p_sum, self.w_current, split="a")
+                         + _exact_dot(previous, self.w_previous, split="a"))
+            else:  # a tl.dot needs >= 16 rows: tiny tiles weight in registers
+                score = ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
+                         + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
         index = k * self.block_sel + lax.broadcasted_iota(jnp.int32,
                                                           (self.q_tile, self.block_sel), 1)
         eligible = index <= self.last_sel[:, None]
@@ -404,7 +415,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     k_pad = pad_axis(pad_axis(k_cmp, 1, n_blocks), 3, tiling.dk_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
-                    block_sel=block_sel, span=span)
+                    block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot)
     q5 = _group_view(q, G)
     lse4 = _group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":

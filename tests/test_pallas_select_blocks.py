@@ -143,10 +143,11 @@ def test_gpu_matches_reference():
     assert (block_idx == reference).all(axis=-1).mean() >= 0.999
 
 
-@pytest.mark.parametrize("topn", ["xla", "fused"])
-def test_top_n_methods_agree(topn):
-    """Every top-n method gives the same block_idx, also with the score buffer cut into several
-    chunks of queries (`score_bytes` small)."""
+@pytest.mark.parametrize("topn, head_sum_dot", [("xla", False), ("fused", False),
+                                                ("pallas", True)])
+def test_top_n_methods_agree(topn, head_sum_dot):
+    """Every top-n method (and head-sum product) gives the same block_idx, also with the score
+    buffer cut into several chunks of queries (`score_bytes` small)."""
     q, k = make_inputs(5, 1, 300, 2, 1, 16, 4, 2)
     kw = selection(4, 2, 8, 4, 1, 2)
     lse = compressed_lse(q, k, cmp_block=4, cmp_stride=2, interpret=True)
@@ -155,7 +156,8 @@ def test_top_n_methods_agree(topn):
                                                     score_bytes=64 * 4 * 64))
     np.testing.assert_array_equal(expected, brute_force(q, k, kw))
     got = select_blocks(q, k, lse, interpret=True, **kw,
-                        block_sizes=BlockSizes(block_q=64, block_sel=16, topn=topn))
+                        block_sizes=BlockSizes(block_q=64, block_sel=16, topn=topn,
+                                               head_sum_dot=head_sum_dot))
     np.testing.assert_array_equal(got, expected)
 
 
