@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ import pytest
 import nsa_jax
 from bruteforce import (bf_compress, bf_compressed_attention, bf_select_blocks,
                         bf_selected_attention, bf_sliding_window_attention)
-from jax_inputs import AUX_FLOAT, make_inputs, rel_err
+from jax_inputs import AUX_FLOAT, dot_precisions, make_inputs, rel_err
 from nsa_common import NSAConfig
 from nsa_jax import dispatch
 from nsa_jax.core import BRANCH_NAMES
@@ -143,17 +142,6 @@ def test_layer_takes_cu_seqlens_as_a_list():
 
 
 # -- precision -----------------------------------------------------------------------------------
-def dot_precisions(jaxpr) -> list:
-    """The `precision` of every dot_general in a (closed) jaxpr, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += dot_precisions(sub)
-    return found
-
-
 def test_precision_reaches_every_matmul_forward_and_backward():
     cfg = NSAConfig.tiny()
     params, x = make_inputs(cfg, 1, 20, jnp.float32, seed=5)
