@@ -215,6 +215,7 @@ def test_core_errors_name_the_argument():
         (lambda: run(precision="fast"), "precision"),
         (lambda: run(backend="nope"), "known backends"),
         (lambda: dispatch.register_fallback("pallas", "pallas"), "fallback"),
+        (lambda: dispatch.register_fallback("", "xla"), "backend"),
     ]
     for fn, pattern in cases:
         with pytest.raises(ValueError, match=pattern):
