@@ -8,7 +8,6 @@ decode's prefill) runs the same `attend` / `mix_branches`, so nothing else compo
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Mapping, Optional, Union
 
 import chex
