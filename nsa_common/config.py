@@ -1,4 +1,4 @@
-"""`NSAConfig`: the single source of truth for the spec's hyperparameters (shared/NSA_SPEC.md)."""
+"""`NSAConfig`: the single source of truth for the spec's hyperparameters (docs/NSA_SPEC.md)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,12 +1,18 @@
 """Native Sparse Attention (DeepSeek NSA) for JAX: pure functions over parameter pytrees.
 
-Layer: `init_params`, `nsa_attention`. Decode: `init_cache`, `prefill`, `decode_step`.
+Layer: `init_params`, `nsa_attention`. Core over projected tensors (q, k, v, gates):
+`native_sparse_attention`. Decode: `init_cache`, `prefill`, `decode_step`.
 Kernel-level (BTHD): `compress_kv`, `compressed_attention`, `select_blocks`,
-`selected_attention`, `sliding_window_attention`. Backends plug in through
-`register_backend` (`nsa_jax.dispatch`); `"xla"` is built in, `"pallas"` (selection,
-compressed attention, selected attention; interpret mode off a GPU) comes from `pallas_kernels`.
+`selected_attention`, `sliding_window_attention`. A Flax NNX module: `nsa_jax.nnx.NSAAttention`
+(needs the `flax` extra; not imported here). Backends plug in through `register_backend`
+(`nsa_jax.dispatch`); `"xla"` is built in, `"pallas"` (selection, compressed attention,
+selected attention, XLA for the rest; interpret mode off a GPU) comes from `pallas_kernels`.
 """
+# The one place the version is written; pyproject.toml reads it.
+__version__ = "0.1.0"
+
 from nsa_common import NSAConfig
+from nsa_jax.core import native_sparse_attention
 from nsa_jax.decode import DecodeCache, decode_step, init_cache, prefill
 from nsa_jax.dispatch import known_backends, register_backend
 from nsa_jax.kernels import (compress_kv, compressed_attention, select_blocks,
@@ -31,6 +37,7 @@ __all__ = [
     "init_cache",
     "init_params",
     "known_backends",
+    "native_sparse_attention",
     "nsa_attention",
     "param_shapes",
     "prefill",

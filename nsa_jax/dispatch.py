@@ -15,8 +15,11 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
 plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
 only passed to backends registered with `packed=True`) and `options=` (that backend's entry of
 the caller's `options` mapping). An implementation that cannot handle its input raises
-`NotImplementedError`. `backend` is one name, or a sequence of names tried in order: only a
-sequence falls through (e.g. `("pallas", "xla")`); a single name never silently changes path.
+`NotImplementedError`. `backend` is one name, or a sequence of names tried in order: a
+sequence falls through (e.g. `("my-kernels", "xla")`). A backend that implements only some
+branches may name a fallback when it registers (`register_fallback`): `"pallas"` is
+`("pallas", "xla")`, i.e. "the Pallas kernels where they exist, XLA for the rest". Other single
+names never silently change path.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ class _Entry:
 
 
 _REGISTRY: dict[tuple[str, str], _Entry] = {}
+# backend name -> the names tried after it when it is asked for (see `register_fallback`).
+_FALLBACKS: dict[str, tuple[str, ...]] = {}
 # Bumped by every registration and part of every static `jit` key below, so that a compiled
 # call never keeps running an implementation that has since been replaced.
 _generation = 0
@@ -61,13 +66,27 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
     _generation += 1
 
 
+def register_fallback(backend: str, fallback: Sequence[str]) -> None:
+    """Make `backend` mean `(backend, *fallback)` wherever it is named, so that a backend with
+    kernels for some branches only is complete on its own (`"pallas"` -> `("pallas", "xla")`)."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend ({backend!r}) must be a non-empty str")
+    fallback = (fallback,) if isinstance(fallback, str) else tuple(fallback)
+    if not all(isinstance(n, str) and n and n != backend for n in fallback):
+        raise ValueError(f"fallback ({fallback!r}) must be names other than {backend!r}")
+    global _generation
+    _FALLBACKS[backend] = fallback
+    _generation += 1
+
+
 def known_backends() -> tuple[str, ...]:
     """Every backend name with at least one registered branch."""
     return tuple(sorted({name for _, name in _REGISTRY}))
 
 
 def backend_names(backend: Backend) -> tuple[str, ...]:
-    """Validate `backend` (a name or a sequence of names) and return it as a tuple."""
+    """Validate `backend` (a name or a sequence of names) and return it as a tuple, each name
+    followed by its registered fallbacks (`register_fallback`), without repeats."""
     if isinstance(backend, StaticBackend):
         return tuple(backend[:-1])
     names = (backend,) if isinstance(backend, str) else tuple(backend)
@@ -77,7 +96,10 @@ def backend_names(backend: Backend) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"backend {unknown[0]!r} is unknown; known backends: "
                          f"{list(known_backends())}")
-    return names
+    expanded: list[str] = []
+    for name in names:
+        expanded += [n for n in (name, *_FALLBACKS.get(name, ())) if n not in expanded]
+    return tuple(expanded)
 
 
 def call(branch: str, backend: Backend, *args, segments=None,

@@ -1,8 +1,9 @@
 """The NSA layer as pure functions over a parameter pytree (spec "The layer").
 
 `init_params(key, cfg)` builds the pytree of DESIGN.md; `nsa_attention(params, x, cfg)` runs
-projections, RoPE, the three branches (through `nsa_jax.dispatch`), the gates and the output
-projection. The internals `project`, `branches` and `combine` are shared with `nsa_jax.decode`.
+the projections, RoPE and the gates, hands the rest to the core (`nsa_jax.core.attend`: the
+three branches through `nsa_jax.dispatch`, gated), and applies the output projection. The
+internals `project` and `combine` are shared with `nsa_jax.decode`.
 """
 from __future__ import annotations
 
@@ -15,12 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from nsa_common import NSAConfig
-from nsa_jax import checks, dispatch
+from nsa_jax import checks, core, dispatch
+from nsa_jax.core import BRANCH_NAMES
 from nsa_jax.rope import apply_rope
-from nsa_jax.segments import Segments, from_cu_seqlens
-from nsa_jax.xla.common import PRECISION
-
-BRANCH_NAMES = ("cmp", "sel", "win")
+from nsa_jax.segments import from_cu_seqlens
 Params = dict
 
 
@@ -95,8 +94,8 @@ def check_params(params: Mapping, cfg: NSAConfig) -> None:
 
 
 def dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """`x @ w` at full precision (no TF32 for float32 on GPUs)."""
-    return jnp.matmul(x, w, precision=PRECISION)
+    """`x @ w` at the precision of the enclosing `core.precision_scope` (JAX's default without)."""
+    return jnp.matmul(x, w)
 
 
 def project(params: Params, x: jax.Array, cfg: NSAConfig, positions: jax.Array) -> dict:
@@ -117,37 +116,23 @@ def project(params: Params, x: jax.Array, cfg: NSAConfig, positions: jax.Array) 
     return out
 
 
-def branches(params: Params, proj: dict, cfg: NSAConfig, *, segments: Optional[Segments],
-             backend: dispatch.Backend, options: Optional[Mapping[str, Any]]) -> dict:
-    """Spec steps 4-8 through the dispatch. -> dict of k_cmp/v_cmp `[B, C, G, d]`, o_cmp, o_sel,
-    o_win `[B, T, H, d_v]` and block_idx int32 `[B, T, G, n_sel]`."""
-    def run(branch, *args, **kwargs):
-        return dispatch.call(branch, backend, *args, segments=segments, options=options,
-                             **kwargs)
-
-    mlp = cfg.compress == "mlp"
-    q, scale = proj["q"], cfg.scale
-    k_cmp = run("compress_kv", proj["k_cmp"], params["cmp_k"] if mlp else None, cfg)
-    v_cmp = run("compress_kv", proj["v_cmp"], params["cmp_v"] if mlp else None, cfg)
-    o_cmp, lse = run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
-    block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
-    return dict(
-        k_cmp=k_cmp, v_cmp=v_cmp, block_idx=block_idx, o_cmp=o_cmp,
-        o_sel=run("selected_attention", q, proj["k_sel"], proj["v_sel"], block_idx,
-                  block_size=cfg.sel_block, scale=scale),
-        o_win=run("sliding_window_attention", q, proj["k_win"], proj["v_win"],
-                  window=cfg.window, scale=scale),
-    )
-
-
 def combine(params: Params, x: jax.Array, cfg: NSAConfig, o_cmp, o_sel, o_win):
     """Spec steps 9-10. x `[B, T, d_model]`, o_* `[B, T, H, d_v]` ->
     (y `[B, T, d_model]` in x's dtype, gates `[B, T, H, 3]`). Same broadcast for T = 1."""
+    gates = gate_values(params, x, cfg)
+    return output(params, x, cfg, core.mix_branches(gates, o_cmp, o_sel, o_win)), gates
+
+
+def gate_values(params: Params, x: jax.Array, cfg: NSAConfig) -> jax.Array:
+    """Spec step 9's gates: x `[B, T, d_model]` -> sigmoid values `[B, T, H, 3]`."""
     B, T, _ = x.shape
-    gates = jax.nn.sigmoid(dense(x, params["wg"]) + params["bg"]).reshape(B, T, cfg.n_heads, 3)
-    o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
-    y = dense(o.reshape(B, T, cfg.n_heads * cfg.d_v), params["wo"]).astype(x.dtype)
-    return y, gates
+    return jax.nn.sigmoid(dense(x, params["wg"]) + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+
+
+def output(params: Params, x: jax.Array, cfg: NSAConfig, o: jax.Array) -> jax.Array:
+    """Spec step 10: o `[B, T, H, d_v]` -> y `[B, T, d_model]` in x's dtype."""
+    B, T, _ = x.shape
+    return dense(o.reshape(B, T, cfg.n_heads * cfg.d_v), params["wo"]).astype(x.dtype)
 
 
 def check_layer_inputs(params, x, cfg) -> None:
@@ -160,60 +145,60 @@ def check_layer_inputs(params, x, cfg) -> None:
     check_params(params, cfg)
 
 
-def check_cu_seqlens(cu_seqlens, x: jax.Array) -> None:
-    """Validate `cu_seqlens` `[N + 1]` against x `[1, T, d_model]` (values too when concrete)."""
-    checks.array("cu_seqlens", cu_seqlens, 1, floating=False, integer=True)
-    if x.shape[0] != 1:
-        raise ValueError(f"cu_seqlens needs x with batch size 1 (packed), got B = {x.shape[0]}")
-    if cu_seqlens.shape[0] < 2:
-        raise ValueError("cu_seqlens must hold at least 2 entries ([0, T] for one sequence)")
-    values = checks.concrete(cu_seqlens)
-    if values is not None:
-        if values[0] != 0 or values[-1] != x.shape[1] or np.any(np.diff(values) < 0):
-            raise ValueError(f"cu_seqlens ({values.tolist()}) must rise from 0 to T = "
-                             f"{x.shape[1]}")
-
-
 def forward_unchecked(params: Params, x: jax.Array, cu_seqlens, *, cfg: NSAConfig, backend,
-                      options, internals: bool = False):
-    """The layer on validated inputs. -> (y, aux), plus (proj, parts) with `internals`.
-    `options` is `dispatch.static_options(...)` (a tuple of items) or None."""
-    options = dict(options) if options else None
-    if cu_seqlens is None:
-        segments, positions = None, jnp.arange(x.shape[1], dtype=jnp.int32)
-    else:
-        segments = from_cu_seqlens(cu_seqlens, x.shape[1], cfg)
-        positions = segments.pos
-    proj = project(params, x, cfg, positions)
-    parts = branches(params, proj, cfg, segments=segments, backend=backend, options=options)
-    y, gates = combine(params, x, cfg, parts["o_cmp"], parts["o_sel"], parts["o_win"])
+                      options, precision: Optional[str] = None, internals: bool = False):
+    """The layer on validated inputs. -> (y, aux), plus (proj, parts) with `internals` (parts:
+    `core.attend`'s). `options` is `dispatch.static_options(...)` (a tuple of items) or None;
+    `precision` is `core.check_precision(...)`'s."""
+    with core.precision_scope(precision):
+        if cu_seqlens is None:
+            segments, positions = None, jnp.arange(x.shape[1], dtype=jnp.int32)
+        else:
+            segments = from_cu_seqlens(cu_seqlens, x.shape[1], cfg)
+            positions = segments.pos
+        proj = project(params, x, cfg, positions)
+        gates = gate_values(params, x, cfg)
+        mlp = cfg.compress == "mlp"
+        o, parts = core.attend(
+            proj["q"], {c: (proj[f"k_{c}"], proj[f"v_{c}"]) for c in BRANCH_NAMES}, gates,
+            {"cmp_k": params["cmp_k"], "cmp_v": params["cmp_v"]} if mlp else None, cfg,
+            scale=cfg.scale, segments=segments, backend=backend,
+            options=dict(options) if options else None)
+        y = output(params, x, cfg, o)
     aux = dict(o_cmp=parts["o_cmp"], o_sel=parts["o_sel"], o_win=parts["o_win"], gates=gates,
                block_idx=parts["block_idx"])
     return (y, aux, proj, parts) if internals else (y, aux)
 
 
 _forward_jit = jax.jit(forward_unchecked,
-                       static_argnames=("cfg", "backend", "options", "internals"))
+                       static_argnames=("cfg", "backend", "options", "precision", "internals"))
 
 
 def nsa_attention(params: Params, x: jax.Array, cfg: NSAConfig, *, cu_seqlens=None,
                   backend: dispatch.Backend = "xla", return_aux: bool = False,
-                  options: Optional[Mapping[str, Any]] = None):
+                  options: Optional[Mapping[str, Any]] = None, precision: core.Precision = None):
     """One NSA layer. x `[B, T, d_model]` -> y `[B, T, d_model]` (x's dtype).
 
-    cu_seqlens: int32 `[N + 1]` packing N sequences into `B = 1` (may be traced under jit).
-    backend: a registered backend name, or a sequence of names tried in order (fallback).
+    cu_seqlens: int `[N + 1]` packing N sequences into `B = 1`: a JAX array (may be traced
+    under jit) or a list / NumPy array of ints.
+    backend: a registered backend name, or a sequence of names tried in order (fallback);
+    `"pallas"` runs the Pallas kernels where they exist and XLA for the other branches.
     options: `{backend name: that backend's options}`, e.g. `{"xla": XlaOptions(...)}`.
+    precision: of the projections and the XLA branches' matmuls: None (default) keeps JAX's
+    default for the dtype (TF32 for float32 on recent GPUs) or the caller's
+    `jax.default_matmul_precision`; `"highest"` / `jax.lax.Precision.HIGHEST` gives IEEE float32.
     return_aux: also return `aux` = dict(o_cmp, o_sel, o_win `[B, T, H, d_v]`,
     gates `[B, T, H, 3]`, block_idx int32 `[B, T, G, n_sel]`).
     """
     check_layer_inputs(params, x, cfg)
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, x)
+        cu_seqlens = core.as_cu_seqlens(cu_seqlens)
+        core.check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "x")
     # Compiled once per static configuration; inlined when the caller is itself under jit.
     y, aux = _forward_jit(params, x, cu_seqlens, cfg=cfg,
                           backend=dispatch.static_backend(backend),
-                          options=dispatch.static_options(options))
+                          options=dispatch.static_options(options),
+                          precision=core.check_precision(precision))
     B, T, _ = x.shape
     chex.assert_shape(y, x.shape)
     chex.assert_type(y, x.dtype)

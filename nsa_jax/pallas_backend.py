@@ -2,10 +2,10 @@
 
 The kernels take plain hyperparameters (`cmp_block=`, `sel_block=`, ...) and know nothing of
 `NSAConfig`; this module is the only place where the two meet. Branches without a Pallas kernel
-(`compress_kv`, `sliding_window_attention`) are not registered, so `backend=("pallas", "xla")`
-runs them on XLA, and a single `backend="pallas"` says clearly that they are missing. Packed
-sequences are not supported by the kernels (registered with `packed=False`: the caller's
-fallback list takes them).
+(`compress_kv`, `sliding_window_attention`) are not registered; `"pallas"` is registered with
+`"xla"` as its fallback, so `backend="pallas"` (the same as `("pallas", "xla")`) runs them on
+XLA. Packed sequences are not supported by the kernels (registered with `packed=False`): they
+go to XLA too.
 """
 from __future__ import annotations
 
@@ -79,9 +79,11 @@ def selected_attention(q, k, v, block_idx, *, block_size, scale,
 
 
 def register() -> None:
-    """Register the three Pallas branches with `nsa_jax.dispatch` under the name "pallas"."""
-    from nsa_jax.dispatch import register_backend
+    """Register the three Pallas branches with `nsa_jax.dispatch` under the name "pallas", with
+    "xla" for the rest."""
+    from nsa_jax.dispatch import register_backend, register_fallback
 
     register_backend("compressed_attention", "pallas", compressed_attention)
     register_backend("select_blocks", "pallas", select_blocks)
     register_backend("selected_attention", "pallas", selected_attention)
+    register_fallback("pallas", "xla")

@@ -1,4 +1,4 @@
-"""PyTorch reference implementation of Native Sparse Attention (shared/NSA_SPEC.md).
+"""PyTorch reference implementation of Native Sparse Attention (docs/NSA_SPEC.md).
 
 `NSAAttention` is the layer; the kernel-level functions below are the reference ("packed SDPA /
 gather") path of its branches, which `dispatch` registers as backend "sdpa". The fast paths

@@ -1,4 +1,4 @@
-"""Decode with a cache (shared/NSA_SPEC.md, "Decode"): `init_cache`, `prefill`, `decode_step`.
+"""Decode with a cache (docs/NSA_SPEC.md, "Decode"): `init_cache`, `prefill`, `decode_step`.
 
 The cache serves a batch of sequences that advance together (one position for the batch,
 docs/DESIGN.md). `prefill` and `decode_step` write into the cache's tensors in place and return

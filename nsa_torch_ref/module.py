@@ -1,4 +1,4 @@
-"""`NSAAttention`: the NSA layer (shared/NSA_SPEC.md, "The layer") as a thin `nn.Module`.
+"""`NSAAttention`: the NSA layer (docs/NSA_SPEC.md, "The layer") as a thin `nn.Module`.
 
 The work is done by functions on a parameter tree (`params["wk"]["cmp"]`, the same nesting as
 the JAX pytree): `project`, `compress_branch_kv`, `combine` and `nsa_forward`. The module holds

@@ -1,4 +1,4 @@
-"""The reference ("packed SDPA / gather") path of NSA's kernel-level functions (shared/NSA_SPEC.md).
+"""The reference ("packed SDPA / gather") path of NSA's kernel-level functions (docs/NSA_SPEC.md).
 
 Every function takes BTHD tensors (`[B, T, heads, dim]`), computes scores and softmax in float32
 (float64 when the inputs are float64, so tests and `gradcheck` can run exactly) and returns the

@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-# shared/NSA_SPEC.md, "Tolerances": relative L2 error by dtype and kind.
+# docs/NSA_SPEC.md, "Tolerances": relative L2 error by dtype and kind.
 TOLERANCES = {
     "float32": {"output": 1e-5, "grad": 1e-4},
     "float64": {"output": 1e-5, "grad": 1e-4},

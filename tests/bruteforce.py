@@ -1,6 +1,6 @@
 """Brute-force NSA in NumPy float64 with explicit dense masks: the independent reference of the tests.
 
-Written straight from shared/NSA_SPEC.md, loop by loop where that is clearer than speed. It shares
+Written straight from docs/NSA_SPEC.md, loop by loop where that is clearer than speed. It shares
 nothing with `nsa_torch_ref` or `nsa_jax` except `nsa_common` (config and the overlap matrix,
 which has its own test). Arrays are NumPy, layout BTHD; every result is float64.
 """

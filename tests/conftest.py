@@ -21,6 +21,16 @@ def enable_x64():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def highest_matmul_precision():
+    """The suite's float32 tolerances (1e-5) are IEEE float32's. nsa_jax leaves matmuls at JAX's
+    default precision (TF32 for float32 on recent GPUs), so the suite asks for "highest", as
+    the parity report does; on a CPU it changes nothing. test_jax_core checks the default."""
+    import jax
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 @pytest.fixture
 def x64():
     with enable_x64():

@@ -1,5 +1,7 @@
-"""Shared helpers of the nsa_jax tests: random layer inputs and the relative error."""
+"""Shared helpers of the nsa_jax tests: random layer inputs, the relative error, the matmul
+precisions of a jaxpr."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -21,3 +23,14 @@ def make_inputs(cfg, B, T, dtype, seed=0):
     params["bg"] = jnp.asarray(0.3 * rng.standard_normal(params["bg"].shape), dtype)
     x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), dtype)
     return params, x
+
+
+def dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general in a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += dot_precisions(sub)
+    return found

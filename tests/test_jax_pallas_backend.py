@@ -51,10 +51,14 @@ def test_layer_gradients_match_xla(case):
         assert _rel(a, b) <= RTOL_GRAD, jax.tree_util.keystr(path)
 
 
-def test_pallas_alone_names_the_missing_branch(case):
+def test_pallas_alone_runs_the_other_branches_on_xla(case):
+    """`"pallas"` has no compression or window kernel: it falls back to XLA for them."""
     cfg, params, x = case
-    with pytest.raises(NotImplementedError, match="compress_kv"):
-        nsa_jax.nsa_attention(params, x, cfg, backend="pallas")
+    k = jax.random.normal(jax.random.PRNGKey(4), (1, 20, cfg.n_kv_heads, cfg.d_k))
+    np.testing.assert_array_equal(nsa_jax.compress_kv(k, params["cmp_k"], cfg, backend="pallas"),
+                                  nsa_jax.compress_kv(k, params["cmp_k"], cfg))
+    np.testing.assert_array_equal(nsa_jax.sliding_window_attention(k, k, k, 5, backend="pallas"),
+                                  nsa_jax.sliding_window_attention(k, k, k, 5))
 
 
 def test_kernel_level_select_blocks_without_lse(case):

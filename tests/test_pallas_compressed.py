@@ -19,7 +19,7 @@ from pallas_kernels.compressed_attention import (
     compressed_attention_reference,
 )
 
-# Relative L2 error bounds (shared/NSA_SPEC.md "Tolerances").
+# Relative L2 error bounds (docs/NSA_SPEC.md "Tolerances").
 TOL = {jnp.float32: {"out": 1e-5, "grad": 1e-4}, jnp.bfloat16: {"out": 1e-2, "grad": 1e-2}}
 
 # Small tiles so that the tiny CPU shapes still span several query and key tiles, and the dK/dV
