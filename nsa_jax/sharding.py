@@ -54,12 +54,24 @@ class MeshAxes:
                 if name is not None}
 
 
-def shard_map(fn, mesh: Mesh, in_specs, out_specs):
-    """`jax.shard_map` (jax >= 0.7), or `jax.experimental.shard_map` on older releases."""
+def shard_map(fn, mesh: Mesh, in_specs, out_specs, *, check: bool = True):
+    """`jax.shard_map` (jax >= 0.7), or `jax.experimental.shard_map` on older releases.
+
+    check: JAX's tracking of which values vary over which mesh axes (`check_vma`, formerly
+    `check_rep`). A `pallas_call` does not declare how its outputs vary, so it needs it off.
+    """
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=check)
     from jax.experimental.shard_map import shard_map as experimental_shard_map
-    return experimental_shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return experimental_shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                  check_rep=check)
+
+
+def _xla_only(backend) -> bool:
+    """Whether every backend in the choice is "xla" (so `shard_map` can check replication)."""
+    names = (backend,) if isinstance(backend, str) else dispatch.backend_names(backend)
+    return all(name == "xla" for name in names)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -233,7 +245,8 @@ def _sharded_forward(params, x, cu_seqlens, *, cfg, mesh, axes, backend, options
         return _sum_over_model(y, axes), aux
 
     return shard_map(body, mesh, in_specs=(param_specs(cfg, axes), input_spec(axes), P()),
-                     out_specs=(input_spec(axes), _aux_specs(axes)))(params, x, cu_seqlens)
+                     out_specs=(input_spec(axes), _aux_specs(axes)),
+                     check=_xla_only(backend))(params, x, cu_seqlens)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -379,7 +392,8 @@ def _sharded_prefill(params, x, cache, *, cfg, mesh, axes, backend, options):
 
     specs = cache_specs(cfg, axes)
     return shard_map(body, mesh, in_specs=(param_specs(cfg, axes), input_spec(axes), specs),
-                     out_specs=(input_spec(axes), specs))(params, x, cache)
+                     out_specs=(input_spec(axes), specs), check=_xla_only(backend))(
+                         params, x, cache)
 
 
 def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, mesh: Mesh,
@@ -412,8 +426,8 @@ def _sharded_decode_step(params, x_t, cache, *, cfg, mesh, axes, backend, option
     specs = cache_specs(cfg, axes)
     reads_specs = {name: P() for name in ("cmp", "sel", "win", "total", "bound")}
     return shard_map(body, mesh, in_specs=(param_specs(cfg, axes), input_spec(axes), specs),
-                     out_specs=(input_spec(axes), specs, reads_specs, _aux_specs(axes)))(
-                         params, x_t, cache)
+                     out_specs=(input_spec(axes), specs, reads_specs, _aux_specs(axes)),
+                     check=_xla_only(backend))(params, x_t, cache)
 
 
 def _decode_axes(axes: MeshAxes) -> MeshAxes:
@@ -428,25 +442,31 @@ def _decode_axes(axes: MeshAxes) -> MeshAxes:
 # -----------------------------------------------------------------------------------------------
 def context_bytes_per_layer(cfg: NSAConfig, seq_len: int, context: int, *, batch: int = 1,
                             model: int = 1, itemsize: int = 2) -> dict[str, float]:
-    """Bytes one device receives in one layer's forward under context parallelism (the backward
-    sends as much back: a reduce-scatter per all-gather, the reversed halos).
+    """Bytes one device receives in one layer's forward under context parallelism, as
+    implemented (the backward moves as much again: each all-gather's transpose is a
+    reduce-scatter of the K/V gradients, each halo's a reversed `ppermute`).
 
-    Per KV head a token carries `d_k + d_v` values; a device holds `G / model` heads.
+    A token of one branch carries `d_k + d_v` values per KV head; a device holds `G / model`
+    heads and `batch` rows. `sel_causal_mean` is what a causality-aware gather of the selected
+    K/V would move on average (shard s needs only shards < s); `out_allreduce` is the model
+    axis' all-reduce of y (ring: `2 (m - 1) / m` of it), for scale.
     """
     checks.positive_int("context", context)
+    checks.positive_int("model", model)
     token = batch * (cfg.n_kv_heads // model) * (cfg.d_k + cfg.d_v) * itemsize
     remote = (context - 1) / context
-    n_cmp = num_cmp_blocks(cfg, seq_len)
-    return {
-        "cmp_allgather": remote * n_cmp * token,
-        "cmp_halo": (cfg.cmp_block - cfg.cmp_stride) * token if context > 1 else 0,
-        "win_halo": (cfg.window - 1) * token if context > 1 else 0,
+    halo = 1 if context > 1 else 0
+    cost = {
+        "cmp_allgather": remote * num_cmp_blocks(cfg, seq_len) * token,
+        "cmp_halo": halo * (cfg.cmp_block - cfg.cmp_stride) * token,
+        "win_halo": halo * (cfg.window - 1) * token,
         "sel_allgather": remote * seq_len * token,
-        # Upper bound of the alternative: every query chunk of a shard needs at most
-        # n_sel * l_sel tokens per head from every selected block, capped by all remote tokens.
-        "sel_blocks_bound": min(remote * seq_len,
-                                seq_len / context * cfg.n_sel * cfg.sel_block) * token,
     }
+    cost["total"] = sum(cost.values())
+    cost["sel_causal_mean"] = remote / 2 * seq_len * token
+    cost["out_allreduce"] = (2 * (model - 1) / model * batch * seq_len / context * cfg.d_model
+                             * itemsize)
+    return cost
 
 
 __all__ = [
