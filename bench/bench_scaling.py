@@ -76,7 +76,7 @@ def _layer_step(cfg, mesh, axes, backend: str, pass_name: str):
 
     if pass_name == "fwd":
         return jax.jit(forward)
-    # A fixed cotangent-like weighting keeps the loss from being a plain sum (no shortcut).
+    # A loss of every output (as training's), so no part of the backward is dead code.
     return jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32) ** 2),
                             argnums=(0, 1)))
 

@@ -52,11 +52,11 @@ def reference():
     """Inputs and the unsharded layer's outputs and gradients (float64), computed once."""
     from conftest import enable_x64
 
-    with enable_x64():
+    with enable_x64():  # only while computing: the float32 tests below need it off
         params, x = make_inputs(CFG, B, T, jnp.float64, seed=3)
         out = loss_and_grads(
             lambda p, x: nsa_jax.nsa_attention(p, x, CFG, return_aux=True), params, x)
-        yield (params, x) + out
+    return (params, x) + out
 
 
 def assert_grads_match(grads, ref_grads, tol=TOL):
@@ -141,6 +141,15 @@ def test_decode_matches_unsharded(backend):
     for name, got, want in zip(nsa_jax.DecodeCache._fields, cache_sh, cache_ref):
         assert rel_err(got, want) <= F32_TOL if name != "pos" else int(got) == int(want), name
     assert_sharded_like(cache_sh, sharding.cache_specs(CFG, axes), mesh)
+
+
+def test_packed_sequences_over_model_axis():
+    """cu_seqlens (replicated) with the heads split over the model axis."""
+    params, x = make_inputs(CFG, 1, T, jnp.float32, seed=4)
+    cu_seqlens = jnp.array([0, 21, T], jnp.int32)
+    mesh, axes = make_mesh(model=2)
+    y = sharding.sharded_nsa_attention(params, x, CFG, mesh, axes=axes, cu_seqlens=cu_seqlens)
+    assert rel_err(y, nsa_jax.nsa_attention(params, x, CFG, cu_seqlens=cu_seqlens)) <= F32_TOL
 
 
 @pytest.mark.parametrize("sizes, cfg, shape, message", [
