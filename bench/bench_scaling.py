@@ -10,7 +10,8 @@ forward and forward+backward (gradients of every parameter and of x) on meshes w
 
 `efficiency` is against the first mesh of --meshes at the same pass (and, for strong scaling,
 the same T): strong `ms_base * devices_base / (ms * devices)`, weak `ms_base / ms` (1 is
-perfect). Rows shared by both modes (same mesh, B and T) run once. A row that does not fit
+perfect). `context_mib` is what one device receives per forward through the context axis
+(`nsa_jax.sharding.context_bytes_per_layer`, MiB; as much again in the backward). Rows shared by both modes (same mesh, B and T) run once. A row that does not fit
 (mesh vs shapes, Pallas with a context axis) is "skipped" with the reason; an OOM is "oom".
 
 Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,2x1x4,1x4x2,2x2x2
@@ -33,7 +34,7 @@ PASSES = ("fwd", "fwd_bwd")
 SCALINGS = ("strong", "weak")
 COLUMNS = ["bench", "scaling", "mesh", "data", "model", "context", "devices", "pass", "backend",
            "preset", "dtype", "B", "T", "tokens_per_device", "ms", "ms_min", "ms_max",
-           "tokens_per_s", "efficiency", "status", "note", "device", "commit"]
+           "tokens_per_s", "efficiency", "context_mib", "status", "note", "device", "commit"]
 
 
 def parse_meshes(text: str) -> list[tuple[int, int, int]]:
@@ -112,12 +113,15 @@ def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
     xs = [jax.device_put(jax.random.normal(jax.random.PRNGKey(1 + i), (B, T, cfg.d_model),
                                            dtype), x_sharding) for i in range(args.rotate)]
     records = []
+    moved = sharding.context_bytes_per_layer(cfg, T, context, batch=B // data, model=model,
+                                             itemsize=dtype.itemsize)["total"] / 2**20
     for pass_name in args.passes:
         step_fn = _layer_step(cfg, mesh, axes, args.backend, pass_name)
         timing = common.time_jax(lambda i: step_fn(params, xs[i % len(xs)]), iters=args.iters,
                                  warmup=args.warmup, repeats=args.repeats)
         records.append(dict(pass_=pass_name, ms=timing.ms, ms_min=timing.ms_min,
-                            ms_max=timing.ms_max, tokens_per_s=B * T / (timing.ms * 1e-3)))
+                            ms_max=timing.ms_max, tokens_per_s=B * T / (timing.ms * 1e-3),
+                            context_mib=moved))
     return records
 
 

@@ -143,6 +143,17 @@ def test_decode_matches_unsharded(backend):
     assert_sharded_like(cache_sh, sharding.cache_specs(CFG, axes), mesh)
 
 
+def test_context_without_halos():
+    """l = d and w = 1 (no halo on either side), mean compression, shared K/V, 8 shards."""
+    cfg = CFG.replace(cmp_block=4, window=1, compress="mean", shared_kv=True)
+    params, x = make_inputs(cfg, B, T, jnp.float32, seed=5)
+    mesh, axes = make_mesh(context=8)
+    y, aux = sharding.sharded_nsa_attention(params, x, cfg, mesh, axes=axes, return_aux=True)
+    y_ref, aux_ref = nsa_jax.nsa_attention(params, x, cfg, return_aux=True)
+    assert rel_err(y, y_ref) <= F32_TOL
+    np.testing.assert_array_equal(aux["block_idx"], aux_ref["block_idx"])
+
+
 def test_packed_sequences_over_model_axis():
     """cu_seqlens (replicated) with the heads split over the model axis."""
     params, x = make_inputs(CFG, 1, T, jnp.float32, seed=4)
@@ -200,7 +211,8 @@ def test_bench_scaling_smoke(tmp_path, monkeypatch):
     got = {(r["scaling"], r["mesh"], r["pass"]): r for r in rows}
     assert set(got) == {(s, m, p) for s in bench_scaling.SCALINGS for m in ("1x1x1", "1x2x1")
                         for p in bench_scaling.PASSES}
-    assert all(r["status"] == "ok" and float(r["ms"]) > 0 and int(r["T"]) == 32 for r in rows)
+    assert all(r["status"] == "ok" and float(r["ms"]) > 0 and int(r["T"]) == 32
+               and float(r["context_mib"]) == 0 for r in rows)  # no context axis: no traffic
     for p in bench_scaling.PASSES:
         assert float(got[("strong", "1x1x1", p)]["efficiency"]) == 1
         for mesh in ("1x1x1", "1x2x1"):
