@@ -11,12 +11,14 @@ forward and forward+backward (gradients of every parameter and of x) on meshes w
 `efficiency` is against the first mesh of --meshes at the same pass (and, for strong scaling,
 the same T): strong `ms_base * devices_base / (ms * devices)`, weak `ms_base / ms` (1 is
 perfect). `context_mib` is what one device receives per forward through the context axis
-(`nsa_jax.sharding.context_bytes_per_layer`, MiB; as much again in the backward). Rows shared by both modes (same mesh, B and T) run once. A row that does not fit
-(mesh vs shapes, Pallas with a context axis) is "skipped" with the reason; an OOM is "oom".
+(`nsa_jax.sharding.context_bytes_per_layer`, MiB; as much again in the backward). Rows shared
+by both modes (same mesh, B and T) run once. A row that does not fit (mesh vs shapes, Pallas
+with a context axis) is "skipped" with the reason; an OOM is "oom".
 
-Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,2x1x4,1x4x2,2x2x2
-CPU smoke:        XLA_FLAGS=--xla_force_host_platform_device_count=8 python bench/bench_scaling.py \\
-                      --device cpu --preset tiny --tokens 64 --meshes 1x1x1,2x2x2 --dtype float32
+Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,1x4x2,2x2x2
+CPU smoke:        XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+                      python bench/bench_scaling.py --device cpu --preset tiny --tokens 64 \\
+                      --meshes 1x1x1,2x2x2 --dtype float32
 """
 from __future__ import annotations
 

@@ -150,6 +150,18 @@ def axis_size(mesh: Mesh, name: Optional[str]) -> int:
     return 1 if name is None else int(mesh.shape[name])
 
 
+def current_mesh(mesh: Optional[Mesh]) -> Mesh:
+    """`mesh`, or when None the one set by `jax.set_mesh` (ValueError when there is none)."""
+    if mesh is not None:
+        return mesh
+    get_mesh = getattr(jax.sharding, "get_mesh", None)   # jax >= 0.7
+    mesh = get_mesh() if get_mesh is not None else None
+    if mesh is None or mesh.empty:
+        raise ValueError("mesh is None and no mesh is set: pass mesh= or run under "
+                         "jax.set_mesh(mesh)")
+    return mesh
+
+
 def check_mesh(mesh: Mesh, cfg: NSAConfig, axes: MeshAxes, *, batch: Optional[int] = None,
                seq_len: Optional[int] = None) -> None:
     """ValueError naming the mesh axis that does not fit the config or the shapes."""
@@ -202,7 +214,8 @@ def _sum_over_model(y: jax.Array, axes: MeshAxes) -> jax.Array:
 # -----------------------------------------------------------------------------------------------
 # The layer
 # -----------------------------------------------------------------------------------------------
-def sharded_nsa_attention(params, x: jax.Array, cfg: NSAConfig, mesh: Mesh, *,
+def sharded_nsa_attention(params, x: jax.Array, cfg: NSAConfig, mesh: Optional[Mesh] = None,
+                          *,
                           axes: MeshAxes = MeshAxes(), cu_seqlens=None,
                           backend: dispatch.Backend = "xla",
                           options: Optional[Mapping[str, Any]] = None,
@@ -211,11 +224,12 @@ def sharded_nsa_attention(params, x: jax.Array, cfg: NSAConfig, mesh: Mesh, *,
     spec `input_spec(axes)`; `aux` (with `return_aux`) has `head_spec(axes)`.
 
     Inputs may live anywhere (they are resharded to the specs); pass `shard_params(...)` to
-    avoid the copy. cu_seqlens (packed) is replicated, so it needs data and context axes of
-    size 1. With a context axis of size > 1 `backend` must include "xla" (the only path that
-    takes query positions other than 0..T-1).
+    avoid the copy. mesh: None means the one set by `jax.set_mesh`. cu_seqlens (packed) is
+    replicated, so it needs data and context axes of size 1. With a context axis of size > 1
+    `backend` must include "xla" (the only path that takes query positions other than 0..T-1).
     """
     check_layer_inputs(params, x, cfg)
+    mesh = current_mesh(mesh)
     check_mesh(mesh, cfg, axes, batch=x.shape[0], seq_len=x.shape[1])
     context = axis_size(mesh, axes.context) > 1
     if cu_seqlens is not None and (context or axis_size(mesh, axes.data) > 1):
@@ -368,13 +382,14 @@ def _context_forward(params, x, cfg: NSAConfig, axes: MeshAxes, backend, options
 # -----------------------------------------------------------------------------------------------
 # Decode
 # -----------------------------------------------------------------------------------------------
-def sharded_prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, mesh: Mesh, *,
+def sharded_prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache,
+                    mesh: Optional[Mesh] = None, *,
                     axes: MeshAxes = MeshAxes(), backend: dispatch.Backend = "xla",
                     options: Optional[Mapping[str, Any]] = None):
     """`prefill` sharded over data and model (replicated over a context axis). -> `(y, cache)`
     with `input_spec` / `cache_specs`."""
     check_layer_inputs(params, x, cfg)
-    axes = _decode_axes(axes)
+    axes, mesh = _decode_axes(axes), current_mesh(mesh)
     check_mesh(mesh, cfg, axes, batch=x.shape[0])
     return _sharded_prefill(params, x, cache, cfg=cfg, mesh=mesh, axes=axes,
                             backend=dispatch.static_backend(backend),
@@ -396,14 +411,15 @@ def _sharded_prefill(params, x, cache, *, cfg, mesh, axes, backend, options):
                          params, x, cache)
 
 
-def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, mesh: Mesh,
-                        *, axes: MeshAxes = MeshAxes(), backend: str = "xla",
+def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache,
+                        mesh: Optional[Mesh] = None, *, axes: MeshAxes = MeshAxes(),
+                        backend: str = "xla",
                         options: Optional[Mapping[str, Any]] = None,
                         return_aux: bool = False):
     """`decode_step` sharded over data and model. -> `(y_t, cache, reads)` (+ `aux`): reads are
     the same scalars as unsharded (`sel` the largest over every shard's rows and heads)."""
     check_layer_inputs(params, x_t, cfg)
-    axes = _decode_axes(axes)
+    axes, mesh = _decode_axes(axes), current_mesh(mesh)
     check_mesh(mesh, cfg, axes, batch=x_t.shape[0])
     out = _sharded_decode_step(params, x_t, cache, cfg=cfg, mesh=mesh, axes=axes,
                                backend=backend, options=dispatch.static_options(options))
@@ -473,6 +489,7 @@ __all__ = [
     "MeshAxes",
     "cache_specs",
     "check_mesh",
+    "current_mesh",
     "context_bytes_per_layer",
     "head_spec",
     "input_spec",

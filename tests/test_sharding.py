@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -36,8 +37,8 @@ def test_param_specs_cover_every_parameter(cfg):
     assert jax.tree_util.tree_structure(specs, is_leaf=lambda s: isinstance(s, P)) == \
         jax.tree_util.tree_structure(params)
     head_axis = {"wo": 0, "bg": 0, "cmp_k": 0, "cmp_v": 0}
-    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params),
-                                  jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))):
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params), spec_leaves):
         axis = head_axis.get(path[0].key, 1)
         assert len(spec) == leaf.ndim and spec[axis] == "m" and spec.count("m") == 1, (path, spec)
 
@@ -73,3 +74,17 @@ def test_bench_scaling_points():
                    ("weak", 1, 1, 1): (2, 65536), ("weak", 2, 2, 4): (4, 4 * 65536)}
     with pytest.raises(ValueError, match="--meshes"):
         bench_scaling.parse_args(["--meshes", "2x2"])
+
+
+def test_runs_under_a_set_mesh():
+    """mesh=None takes the mesh of `jax.set_mesh` (here a 1 x 1 one: the layer unchanged)."""
+    from jax_inputs import make_inputs, rel_err
+
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 1, 24, jnp.float32)
+    with pytest.raises(ValueError, match="no mesh is set"):
+        sharding.sharded_nsa_attention(params, x, cfg)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with jax.set_mesh(mesh):
+        y = sharding.sharded_nsa_attention(params, x, cfg)
+    assert rel_err(y, nsa_jax.nsa_attention(params, x, cfg)) <= 1e-6

@@ -188,7 +188,7 @@ def test_bad_axes_and_backend():
     axes = sharding.MeshAxes(data="data", model=None, context="context")
     with pytest.raises(ValueError, match="backend .* must include 'xla' with a context axis"):
         sharding.sharded_nsa_attention(params, x, CFG, mesh, axes=axes, backend="pallas")
-    with pytest.raises(ValueError, match="cu_seqlens .* needs mesh axes data and context of size 1"):
+    with pytest.raises(ValueError, match="cu_seqlens .* needs mesh axes data and context"):
         sharding.sharded_nsa_attention(params, x[:1], CFG, mesh,
                                        axes=sharding.MeshAxes(data=None, model=None,
                                                               context="context"),
