@@ -5,8 +5,9 @@ forward and forward+backward (gradients of every parameter and of x) on meshes w
 `DATAxMODELxCONTEXT` (e.g. `1x1x8`: the sequence split over 8 devices).
 
   strong  the same problem on every mesh: B = --batch, T = each of --tokens.
-  weak    the work per device fixed along data and context: B = --batch * data,
-          T = tokens * context (the model axis splits the heads of the same problem).
+  weak    the work per device fixed along data and context: B = --batch * data and
+          T = tokens * context / (the largest context of --meshes), so T reaches each of
+          --tokens on the widest context axis (the model axis splits the same problem's heads).
 
 `efficiency` is against the first mesh of --meshes at the same pass (and, for strong scaling,
 the same T): strong `ms_base * devices_base / (ms * devices)`, weak `ms_base / ms` (1 is
@@ -58,13 +59,14 @@ def parse_meshes(text: str) -> list[tuple[int, int, int]]:
 def points(args) -> list[dict[str, Any]]:
     """Every (scaling, mesh, T) point with its shapes; shared shapes point at one run."""
     out = []
+    widest = max(context for _, _, context in args.meshes)
     for scaling in args.scaling:
         for tokens in args.tokens:
             for data, model, context in args.meshes:
                 weak = scaling == "weak"
                 out.append(dict(scaling=scaling, data=data, model=model, context=context,
                                 B=args.batch * (data if weak else 1),
-                                T=tokens * (context if weak else 1)))
+                                T=tokens * context // widest if weak else tokens))
     return out
 
 
@@ -150,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--preset", default="paper", help="NSAConfig preset (paper, tiny)")
     p.add_argument("--tokens", default="64k,128k,256k,512k,1024k",
-                   help="T (strong) or tokens per context shard (weak); 'k' = 1024")
+                   help="T (strong; weak: on the widest context axis); 'k' = 1024")
     p.add_argument("--batch", type=int, default=1, help="B (strong) or rows per data shard (weak)")
     p.add_argument("--meshes", default="1x1x1,1x1x2,1x1x4,1x1x8,2x1x4,1x4x2,2x2x2",
                    help="DATAxMODELxCONTEXT list; the first is the efficiency baseline")

@@ -63,15 +63,18 @@ def test_context_bytes_per_layer():
 
 
 def test_bench_scaling_points():
-    """Strong scaling keeps (B, T); weak scaling grows B with data and T with context."""
+    """Strong scaling keeps (B, T); weak scaling grows B with data and T with context, up to
+    --tokens on the widest context axis."""
     from bench import bench_scaling
 
-    args = bench_scaling.parse_args(["--tokens", "64k", "--meshes", "1x1x1,2x2x4",
+    args = bench_scaling.parse_args(["--tokens", "1024k", "--meshes", "1x1x1,2x2x4,1x1x8",
                                      "--batch", "2"])
     got = {(p["scaling"], p["data"], p["model"], p["context"]): (p["B"], p["T"])
            for p in bench_scaling.points(args)}
-    assert got == {("strong", 1, 1, 1): (2, 65536), ("strong", 2, 2, 4): (2, 65536),
-                   ("weak", 1, 1, 1): (2, 65536), ("weak", 2, 2, 4): (4, 4 * 65536)}
+    T = 1024 * 1024
+    assert got == {("strong", 1, 1, 1): (2, T), ("strong", 2, 2, 4): (2, T),
+                   ("strong", 1, 1, 8): (2, T), ("weak", 1, 1, 1): (2, T // 8),
+                   ("weak", 2, 2, 4): (4, T // 2), ("weak", 1, 1, 8): (2, T)}
     with pytest.raises(ValueError, match="--meshes"):
         bench_scaling.parse_args(["--meshes", "2x2"])
 
