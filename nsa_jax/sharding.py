@@ -284,12 +284,12 @@ def _gather_tokens(a: jax.Array, axis: str) -> jax.Array:
     return lax.all_gather(a, axis, axis=1, tiled=True)
 
 
-def _segments(positions: jax.Array, n_cmp: int, cfg: NSAConfig, start: int = 0) -> Segments:
+def _segments(positions: jax.Array, n_cmp: int, cfg: NSAConfig) -> Segments:
     """One sequence seen from a shard: queries at global `positions [T_local]`, compressed block
-    i in slot i, sequence start `start` (the packed path's masks then do the rest)."""
+    i in slot i, the sequence starting at token 0 (the packed path's masks then do the rest)."""
     zeros = jnp.zeros_like(positions)
     c = jnp.arange(n_cmp, dtype=jnp.int32)
-    return Segments(pos=positions, seg=zeros, start=zeros + start, cmp_offset=zeros,
+    return Segments(pos=positions, seg=zeros, start=zeros, cmp_offset=zeros,
                     cmp_seg=jnp.zeros_like(c), cmp_local=c, cmp_start=c * cfg.cmp_stride)
 
 
