@@ -22,6 +22,7 @@ from nsa_jax.rope import apply_rope
 from nsa_jax.pallas_backend import PallasOptions
 from nsa_jax.pallas_backend import register as _register_pallas
 from nsa_jax.xla.options import XlaOptions
+from nsa_jax.sharding import MeshAxes, sharded_nsa_attention  # the rest: nsa_jax.sharding
 
 _register_pallas()
 

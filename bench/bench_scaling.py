@@ -1,0 +1,231 @@
+"""Scaling benchmark: the sharded NSA layer (`nsa_jax.sharding`) over data x model x context meshes.
+
+Times the whole layer (projections, three branches, gates, output projection and its all-reduce)
+forward and forward+backward (gradients of every parameter and of x) on meshes written
+`DATAxMODELxCONTEXT` (e.g. `1x1x8`: the sequence split over 8 devices).
+
+  strong  the same problem on every mesh: B = --batch, T = each of --tokens.
+  weak    the work per device fixed along data and context: B = --batch * data and
+          T = tokens * context / (the largest context of --meshes), so T reaches each of
+          --tokens on the widest context axis (the model axis splits the same problem's heads).
+
+`efficiency` is against the first mesh of --meshes at the same pass (and, for strong scaling,
+the same T): strong `ms_base * devices_base / (ms * devices)`, weak `ms_base / ms` (1 is
+perfect). `context_mib` is what one device receives per forward through the context axis
+(`nsa_jax.sharding.context_bytes_per_layer`, MiB; as much again in the backward). Rows shared
+by both modes (same mesh, B and T) run once. A row that does not fit (mesh vs shapes, Pallas
+with a context axis) is "skipped" with the reason; an OOM is "oom".
+
+Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,1x4x2,2x2x2
+CPU smoke:        XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+                      python bench/bench_scaling.py --device cpu --preset tiny --tokens 64 \\
+                      --meshes 1x1x1,2x2x2 --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402  (sets XLA_PYTHON_CLIENT_PREALLOCATE before JAX starts)
+
+PASSES = ("fwd", "fwd_bwd")
+SCALINGS = ("strong", "weak")
+COLUMNS = ["bench", "scaling", "mesh", "data", "model", "context", "devices", "pass", "backend",
+           "preset", "dtype", "B", "T", "tokens_per_device", "ms", "ms_min", "ms_max",
+           "tokens_per_s", "efficiency", "context_mib", "status", "note", "device", "commit"]
+
+
+def parse_meshes(text: str) -> list[tuple[int, int, int]]:
+    """'1x1x8,2x2x2' -> [(1, 1, 8), (2, 2, 2)] (data, model, context)."""
+    meshes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        try:
+            sizes = tuple(int(p) for p in parts)
+        except ValueError:
+            sizes = ()
+        if len(sizes) != 3 or min(sizes) < 1:
+            raise ValueError(f"--meshes ({text!r}) must be a comma list of DATAxMODELxCONTEXT "
+                             f"with positive sizes, e.g. 1x1x8")
+        meshes.append(sizes)
+    return meshes
+
+
+def points(args) -> list[dict[str, Any]]:
+    """Every (scaling, mesh, T) point with its shapes; shared shapes point at one run."""
+    out = []
+    widest = max(context for _, _, context in args.meshes)
+    for scaling in args.scaling:
+        for tokens in args.tokens:
+            for data, model, context in args.meshes:
+                weak = scaling == "weak"
+                out.append(dict(scaling=scaling, data=data, model=model, context=context,
+                                B=args.batch * (data if weak else 1),
+                                T=tokens * context // widest if weak else tokens))
+    return out
+
+
+def _layer_step(cfg, mesh, axes, backend: str, pass_name: str):
+    import jax
+    import jax.numpy as jnp
+
+    from nsa_jax import sharding
+
+    def forward(params, x):
+        return sharding.sharded_nsa_attention(params, x, cfg, mesh, axes=axes, backend=backend)
+
+    if pass_name == "fwd":
+        return jax.jit(forward)
+    # A loss of every output (as training's), so no part of the backward is dead code.
+    return jax.jit(jax.grad(lambda p, x: jnp.sum(forward(p, x).astype(jnp.float32) ** 2),
+                            argnums=(0, 1)))
+
+
+def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
+    """Time both passes of one point; returns one record per pass."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    import nsa_jax
+    from nsa_jax import sharding
+
+    data, model, context = point["data"], point["model"], point["context"]
+    devices = data * model * context
+    if devices > jax.device_count():
+        raise common.Skip(f"needs {devices} devices, {jax.device_count()} present")
+    if args.backend != "xla" and context > 1:
+        raise common.Skip("Pallas kernels take no context axis (queries start at token 0)")
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(data, model, context),
+                ("data", "model", "context"))
+    axes = sharding.MeshAxes("data", "model", "context")
+    B, T = point["B"], point["T"]
+    try:
+        sharding.check_mesh(mesh, cfg, axes, batch=B, seq_len=T)
+    except ValueError as err:
+        raise common.Skip(str(err)) from None
+    dtype = jnp.dtype(args.dtype)
+    params = sharding.shard_params(nsa_jax.init_params(jax.random.PRNGKey(0), cfg, dtype), cfg,
+                                   mesh, axes)
+    x_sharding = NamedSharding(mesh, sharding.input_spec(axes))
+    xs = [jax.device_put(jax.random.normal(jax.random.PRNGKey(1 + i), (B, T, cfg.d_model),
+                                           dtype), x_sharding) for i in range(args.rotate)]
+    records = []
+    moved = sharding.context_bytes_per_layer(cfg, T, context, batch=B // data, model=model,
+                                             itemsize=dtype.itemsize)["total"] / 2**20
+    for pass_name in args.passes:
+        step_fn = _layer_step(cfg, mesh, axes, args.backend, pass_name)
+        timing = common.time_jax(lambda i: step_fn(params, xs[i % len(xs)]), iters=args.iters,
+                                 warmup=args.warmup, repeats=args.repeats)
+        records.append(dict(pass_=pass_name, ms=timing.ms, ms_min=timing.ms_min,
+                            ms_max=timing.ms_max, tokens_per_s=B * T / (timing.ms * 1e-3),
+                            context_mib=moved))
+    return records
+
+
+def add_efficiency(rows: list[dict[str, Any]], first_mesh: tuple[int, int, int]) -> None:
+    """Efficiency against the first mesh's row of the same scaling, pass (and T if strong)."""
+    def key(row):
+        return (row["scaling"], row["pass"], row["T"] if row["scaling"] == "strong" else None)
+
+    base = {key(r): r for r in rows if r["status"] == common.OK
+            and (r["data"], r["model"], r["context"]) == first_mesh}
+    for row in rows:
+        ref = base.get(key(row))
+        if ref is None or row["status"] != common.OK:
+            continue
+        ratio = ref["ms"] / row["ms"]
+        row["efficiency"] = (ratio * ref["devices"] / row["devices"]
+                             if row["scaling"] == "strong" else ratio)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    p.add_argument("--preset", default="paper", help="NSAConfig preset (paper, tiny)")
+    p.add_argument("--tokens", default="64k,128k,256k,512k,1024k",
+                   help="T (strong; weak: on the widest context axis); 'k' = 1024")
+    p.add_argument("--batch", type=int, default=1, help="B (strong) or rows per data shard (weak)")
+    p.add_argument("--meshes", default="1x1x1,1x1x2,1x1x4,1x1x8,2x1x4,1x4x2,2x2x2",
+                   help="DATAxMODELxCONTEXT list; the first is the efficiency baseline")
+    p.add_argument("--scaling", default="strong,weak", help=f"comma list of {SCALINGS}")
+    p.add_argument("--passes", default="fwd,fwd_bwd", help=f"comma list of {PASSES}")
+    p.add_argument("--backend", default="xla", choices=("xla", "pallas"),
+                   help="pallas: Pallas kernels with XLA fallback (meshes without context)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rotate", type=int, default=2, help="distinct x buffers cycled")
+    p.add_argument("--csv", default=os.path.join(common.REPO_ROOT, "bench", "results",
+                                                 "scaling_latest.csv"))
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    args.tokens = common.parse_int_list(args.tokens, "--tokens")
+    args.meshes = parse_meshes(args.meshes)
+    for name, allowed in (("scaling", SCALINGS), ("passes", PASSES)):
+        values = [v.strip() for v in getattr(args, name).split(",") if v.strip()]
+        if not values or any(v not in allowed for v in values):
+            raise ValueError(f"--{name} ({getattr(args, name)!r}) must be a comma list of "
+                             f"{allowed}")
+        setattr(args, name, values)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    common.setup_device(args.device)
+    from nsa_common import NSAConfig
+
+    cfg = NSAConfig.preset(args.preset)
+    device, commit = common.device_name(args.device), common.git_commit()
+    done: dict[tuple, tuple[str, str, list]] = {}
+    rows = []
+    for point in points(args):
+        shape = (point["data"], point["model"], point["context"], point["B"], point["T"])
+        if shape not in done:
+            try:
+                done[shape] = (common.OK, "", run_point(args, cfg, point))
+            except common.Skip as why:
+                done[shape] = (common.SKIPPED, f"skipped: {why}", [])
+            except Exception as exc:  # an OOM or a failure is a row, not the end of the run
+                done[shape] = (common.classify_exception(exc),
+                               common.short_error(exc) + common.debug_traceback(), [])
+        status, note, timed = done[shape]
+        by_pass = {r["pass_"]: r for r in timed}
+        devices = point["data"] * point["model"] * point["context"]
+        for pass_name in args.passes:
+            timing = {k: v for k, v in by_pass.get(pass_name, {}).items() if k != "pass_"}
+            rows.append(dict(
+                bench="scaling", scaling=point["scaling"],
+                mesh=f"{point['data']}x{point['model']}x{point['context']}", data=point["data"],
+                model=point["model"], context=point["context"], devices=devices,
+                **{"pass": pass_name}, backend=args.backend, preset=args.preset,
+                dtype=args.dtype, B=point["B"], T=point["T"],
+                tokens_per_device=point["B"] * point["T"] // devices, status=status, note=note,
+                device=device, commit=commit, **timing))
+        print(f"{point['scaling']:6s} {rows[-1]['mesh']:7s} B={point['B']} T={point['T']}: "
+              f"{status} {note}", file=sys.stderr)
+    add_efficiency(rows, args.meshes[0])
+    common.write_csv(args.csv, rows, COLUMNS)
+    print(common.format_table(
+        [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),
+          r["status"]] for r in rows],
+        ["scaling", "mesh", "pass", "B", "T", "ms", "efficiency", "status"]))
+    print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""nsa_jax.sharding: the specs on one device, and the 8-device tests of `test_sharding_mesh.py`
+run in a subprocess with 8 fake CPU devices (the rest of the suite keeps one device)."""
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import nsa_jax
+from nsa_common import NSAConfig
+from nsa_jax import sharding
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_eight_device_cases():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           os.path.join(HERE, "test_sharding_mesh.py")],
+                          cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("cfg", [NSAConfig.tiny(), NSAConfig.tiny(shared_kv=True, compress="mean")])
+def test_param_specs_cover_every_parameter(cfg):
+    """One spec per parameter, of the parameter's rank, splitting exactly its head axis."""
+    axes = sharding.MeshAxes(model="m")
+    params = nsa_jax.init_params(jax.random.PRNGKey(0), cfg)
+    specs = sharding.param_specs(cfg, axes)
+    assert jax.tree_util.tree_structure(specs, is_leaf=lambda s: isinstance(s, P)) == \
+        jax.tree_util.tree_structure(params)
+    head_axis = {"wo": 0, "bg": 0, "cmp_k": 0, "cmp_v": 0}
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    for (path, leaf), spec in zip(jax.tree_util.tree_leaves_with_path(params), spec_leaves):
+        axis = head_axis.get(path[0].key, 1)
+        assert len(spec) == leaf.ndim and spec[axis] == "m" and spec.count("m") == 1, (path, spec)
+
+
+def test_cache_specs():
+    axes = sharding.MeshAxes(data="d", model="m", context="c")
+    specs = sharding.cache_specs(NSAConfig.tiny(), axes)
+    assert specs.pos == P()
+    assert all(spec == P("d", None, "m", None) for spec in specs[:-1])
+
+
+def test_context_bytes_per_layer():
+    """Compressed all-gather = remote share of T/d blocks; selected = remote share of T tokens."""
+    cfg = NSAConfig.paper()
+    T, c = 128 * 1024, 8
+    cost = sharding.context_bytes_per_layer(cfg, T, c)
+    token = cfg.n_kv_heads * (cfg.d_k + cfg.d_v) * 2
+    assert cost["sel_allgather"] == T * 7 / 8 * token
+    assert cost["cmp_allgather"] == ((T - cfg.cmp_block) // cfg.cmp_stride + 1) * 7 / 8 * token
+    assert cost["win_halo"] == (cfg.window - 1) * token
+    assert sharding.context_bytes_per_layer(cfg, T, 1)["sel_allgather"] == 0
+
+
+def test_bench_scaling_points():
+    """Strong scaling keeps (B, T); weak scaling grows B with data and T with context, up to
+    --tokens on the widest context axis."""
+    from bench import bench_scaling
+
+    args = bench_scaling.parse_args(["--tokens", "1024k", "--meshes", "1x1x1,2x2x4,1x1x8",
+                                     "--batch", "2"])
+    got = {(p["scaling"], p["data"], p["model"], p["context"]): (p["B"], p["T"])
+           for p in bench_scaling.points(args)}
+    T = 1024 * 1024
+    assert got == {("strong", 1, 1, 1): (2, T), ("strong", 2, 2, 4): (2, T),
+                   ("strong", 1, 1, 8): (2, T), ("weak", 1, 1, 1): (2, T // 8),
+                   ("weak", 2, 2, 4): (4, T // 2), ("weak", 1, 1, 8): (2, T)}
+    with pytest.raises(ValueError, match="--meshes"):
+        bench_scaling.parse_args(["--meshes", "2x2"])
+
+
+def test_runs_under_a_set_mesh():
+    """mesh=None takes the mesh of `jax.set_mesh` (here a 1 x 1 one: the layer unchanged)."""
+    from jax_inputs import make_inputs, rel_err
+
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 1, 24, jnp.float32)
+    with pytest.raises(ValueError, match="no mesh is set"):
+        sharding.sharded_nsa_attention(params, x, cfg)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    with jax.set_mesh(mesh):
+        y = sharding.sharded_nsa_attention(params, x, cfg)
+    assert rel_err(y, nsa_jax.nsa_attention(params, x, cfg)) <= 1e-6
