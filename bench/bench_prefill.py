@@ -42,7 +42,6 @@ CPU smoke:     python bench/bench_prefill.py --device cpu --S_list 64,128 --H 4 
 from __future__ import annotations
 
 import argparse
-import inspect
 import math
 import os
 import sys
@@ -95,17 +94,6 @@ def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:
             "w": cfg.window, "device": args.device_label}
 
 
-def _accepts(fn: Callable, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return True
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
-# ---------------------------------------------------------------------------------------------
-# JAX rows
-# ---------------------------------------------------------------------------------------------
 def _jnp_dtype(name: str):
     import jax.numpy as jnp
 
@@ -162,77 +150,27 @@ def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
     return records
 
 
-def _pallas_branches(nsa_jax) -> list[str]:
-    """Make sure the "pallas" backend is registered with nsa_jax; return its branches."""
-    import importlib
-
-    if "pallas" not in nsa_jax.known_backends():
-        for module in ("pallas_kernels", "nsa_jax.pallas", "pallas_kernels.register"):
-            try:
-                mod = importlib.import_module(module)
-            except ImportError:
-                continue
-            register = getattr(mod, "register", None) or getattr(mod, "register_backends", None)
-            if callable(register) and "pallas" not in nsa_jax.known_backends():
-                register()
-    if "pallas" not in nsa_jax.known_backends():
-        raise Skip("no 'pallas' backend is registered with nsa_jax")
-    registry = getattr(nsa_jax.dispatch, "_REGISTRY", {})
-    return sorted(branch for branch, name in registry if name == "pallas")
-
-
 def _nsa_jax_core(cfg, backend: str, options=None):
     """The attention core as a function of (q, k, v per branch, gate logits, compression params),
-    and a label of the path each branch takes.
-
-    Calls only the public kernel-level functions of `nsa_jax`. backend="pallas" passes the
-    sequence ("pallas", "xla"): nsa_jax's dispatch runs a branch on Pallas where a Pallas
-    kernel is registered and on XLA otherwise (compression; the window goes to cuDNN there).
-    """
+    and a label of the path each branch takes: `nsa_jax.native_sparse_attention`, the function
+    the layer itself calls between its projections (it hands the compressed branch's lse to
+    selection). backend="pallas" runs the Pallas kernels where they exist and XLA for the rest
+    (compression; the window goes to cuDNN there)."""
     try:
         import nsa_jax
     except ImportError as exc:
         raise Skip(f"nsa_jax not importable ({exc})") from None
-    needed = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
-              "sliding_window_attention", "known_backends")
-    missing = [name for name in needed if not hasattr(nsa_jax, name)]
-    if missing:
-        raise Skip(f"nsa_jax lacks {missing}")
-    import jax
-    import jax.numpy as jnp
-
     if backend == "pallas":
-        on_pallas = _pallas_branches(nsa_jax)
-        path = ("pallas", "xla")
-        label = f"nsa_jax backend=(pallas,xla) pallas: {'+'.join(on_pallas) or 'none'}"
+        label = "nsa_jax.native_sparse_attention backend=pallas (xla where no kernel)"
     else:
-        path, label = backend, f"nsa_jax backend={backend}"
-
-    def kw(fn):
-        extra = {"options": options} if options is not None else {}
-        return {"backend": path, **extra} if _accepts(fn, "backend") else {}
+        label = f"nsa_jax backend={backend}"
 
     def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params):
-        cmp_k = cmp_params["cmp_k"] if cfg.compress == "mlp" else None
-        cmp_v = cmp_params["cmp_v"] if cfg.compress == "mlp" else None
-        k_cmp = nsa_jax.compress_kv(k_cmp_in, cmp_k, cfg, **kw(nsa_jax.compress_kv))
-        v_cmp = nsa_jax.compress_kv(v_cmp_in, cmp_v, cfg, **kw(nsa_jax.compress_kv))
-        o_cmp, lse = nsa_jax.compressed_attention(q, k_cmp, v_cmp, cfg, return_lse=True,
-                                                  **kw(nsa_jax.compressed_attention))
-        # Selection has no gradient (spec step 6); stop_gradient keeps autodiff out of it. It
-        # reuses the compressed branch's lse, as the layer does.
-        block_idx = nsa_jax.select_blocks(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_cmp),
-                                          cfg, lse=jax.lax.stop_gradient(lse),
-                                          **kw(nsa_jax.select_blocks))
-        o_sel = nsa_jax.selected_attention(q, k_sel, v_sel, block_idx, cfg.sel_block,
-                                           **kw(nsa_jax.selected_attention))
-        o_win = nsa_jax.sliding_window_attention(q, k_win, v_win, cfg.window,
-                                                 **kw(nsa_jax.sliding_window_attention))
-        gates = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
-        o = (gates[..., 0:1] * o_cmp.astype(jnp.float32)
-             + gates[..., 1:2] * o_sel.astype(jnp.float32)
-             + gates[..., 2:3] * o_win.astype(jnp.float32))
-        return o.astype(q.dtype)
+        return nsa_jax.native_sparse_attention(
+            q, {"cmp": k_cmp_in, "sel": k_sel, "win": k_win},
+            {"cmp": v_cmp_in, "sel": v_sel, "win": v_win}, gate_logits, cfg,
+            cmp_params=cmp_params or None, gates_are_logits=True, backend=backend,
+            options=options)
 
     return core, label
 

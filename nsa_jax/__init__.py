@@ -28,6 +28,7 @@ _register_pallas()
 
 __all__ = [
     "DecodeCache",
+    "MeshAxes",
     "NSAConfig",
     "PallasOptions",
     "XlaOptions",
@@ -45,5 +46,6 @@ __all__ = [
     "register_backend",
     "select_blocks",
     "selected_attention",
+    "sharded_nsa_attention",
     "sliding_window_attention",
 ]
