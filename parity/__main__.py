@@ -5,8 +5,6 @@ import argparse
 import os
 import sys
 
-import jax
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -64,6 +62,8 @@ def main(argv=None) -> int:
     print(f"parity: preset={args.preset} B={args.B} T={args.T} dtype={args.dtype} "
           f"device={args.device} jax={args.jax_backend} torch={args.torch_backend}")
     print(f"  {cfg}")
+    import jax
+
     try:
         # The spec's float32 tolerances (1e-5) assume IEEE float32 matmuls: no TF32 on GPUs.
         with jax.default_matmul_precision("highest"):
