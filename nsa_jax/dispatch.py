@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 
-from nsa_jax import xla
+from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
             "sliding_window_attention")
@@ -82,7 +82,17 @@ def backend_names(backend: Backend) -> tuple[str, ...]:
 
 def call(branch: str, backend: Backend, *args, segments=None,
          options: Optional[Mapping[str, Any]] = None, **kwargs):
-    """Run `branch` on the first backend of `backend` that can handle the input."""
+    """Run `branch` on the first backend of `backend` that can handle the input.
+
+    Every backend runs inside `nonfinite.GUARDS[branch]`: it sees only finite inputs, and the
+    outputs that attend a non-finite value become NaN (isolation of NaN / inf between tokens
+    and sequences, whatever the backend does with masked keys)."""
+    run = functools.partial(_first_capable, branch, backend, options=options)
+    return nonfinite.GUARDS[branch](run, *args, segments=segments, **kwargs)
+
+
+def _first_capable(branch: str, backend: Backend, *args, segments=None,
+                   options: Optional[Mapping[str, Any]] = None, **kwargs):
     reasons = []
     names = backend_names(backend)
     for name in names:
