@@ -40,12 +40,12 @@ def _loss_on(cfg, backend, keep, cu_seqlens=None):
     def loss(x):
         y = nsa_jax.nsa_attention(params, x, cfg, backend=backend, cu_seqlens=cu_seqlens)
         return jnp.sum(jnp.where(keep[..., None], y * w, 0.0))
-    return jax.grad(loss)
+    return jax.jit(jax.grad(loss))
 
 
-@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
-@pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("cfg", [CFG, CFG_MEAN], ids=["mlp", "mean_shared"])
+@pytest.mark.parametrize("backend, cfg, bad_value", [
+    ("xla", CFG, np.nan), ("xla", CFG_MEAN, np.inf), ("pallas", CFG, np.nan)],
+    ids=["xla-mlp-nan", "xla-mean_shared-inf", "pallas-mlp-nan"])
 def test_batched_forward_and_backward(backend, cfg, bad_value):
     backend = BACKENDS[backend]
     x = jax.random.normal(jax.random.PRNGKey(1), (2, T, cfg.d_model))
@@ -62,13 +62,12 @@ def test_batched_forward_and_backward(backend, cfg, bad_value):
     _close(g_bad[1], g[1])
 
 
-@pytest.mark.parametrize("where", ["second", "first"])
-def test_packed_sequences_do_not_leak(where):
+def test_packed_sequences_do_not_leak():
     """cu_seqlens [0, 30, 60]: a NaN in one sequence leaves the other alone, and the tokens of
-    its own sequence before it (also near the start, where the compressor's unused slots read)."""
+    its own sequence before it. Token 3 is inside the first compressed block, which the unused
+    compressed slots also read (they must not carry the NaN back in the backward pass)."""
     cfg, cu = CFG, jnp.array([0, 30, 60], jnp.int32)
-    bad, other = (45, slice(0, 30)) if where == "second" else (3, slice(30, 60))
-    own_before = slice(30, 45) if where == "second" else slice(0, 3)
+    bad, other, own_before = 3, slice(30, 60), slice(0, 3)
     x = jax.random.normal(jax.random.PRNGKey(2), (1, T, cfg.d_model))
     x_bad = x.at[0, bad].set(jnp.nan)
     y, y_bad = _run(cfg, "xla", x, cu), _run(cfg, "xla", x_bad, cu)
