@@ -18,6 +18,7 @@ are NaN. The poison masks are O(T) bookkeeping (prefix counts of bad rows), not 
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import jax
@@ -52,11 +53,12 @@ def _count_in(prefix: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
     hi = jnp.maximum(hi, lo)
     B, Q, G = lo.shape[:3]
     rest = lo.shape[3:]
+    n = math.prod(rest)  # explicit sizes: a `-1` reshape fails on empty arrays (Q or C = 0)
     table = jnp.swapaxes(prefix, 1, 2)                                    # [B, G, S + 1]
 
     def take(idx):
-        flat = jnp.swapaxes(idx.reshape(B, Q, G, -1), 1, 2).reshape(B, G, -1)
-        got = jnp.take_along_axis(table, flat, axis=2).reshape(B, G, Q, -1)
+        flat = jnp.swapaxes(idx.reshape(B, Q, G, n), 1, 2).reshape(B, G, Q * n)
+        got = jnp.take_along_axis(table, flat, axis=2).reshape(B, G, Q, n)
         return jnp.swapaxes(got, 1, 2).reshape(B, Q, G, *rest)
 
     return take(hi) - take(lo)
