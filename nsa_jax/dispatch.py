@@ -17,6 +17,8 @@ only passed to backends registered with `packed=True`) and `options=` (that back
 the caller's `options` mapping). An implementation that cannot handle its input raises
 `NotImplementedError`. `backend` is one name, or a sequence of names tried in order: only a
 sequence falls through (e.g. `("pallas", "xla")`); a single name never silently changes path.
+When no backend is left, `NoBackendError` (both a NotImplementedError and a ValueError) says why
+each one refused.
 """
 from __future__ import annotations
 
@@ -112,8 +114,13 @@ def _first_capable(branch: str, backend: Backend, *args, segments=None,
             return entry.fn(*args, **extra)
         except NotImplementedError as err:
             reasons.append(f"{name!r}: {err}")
-    raise NotImplementedError(f"no backend of {list(names)} can run {branch}: "
-                              + "; ".join(reasons))
+    raise NoBackendError(f"no backend of {list(names)} can run {branch}: " + "; ".join(reasons))
+
+
+class NoBackendError(NotImplementedError, ValueError):
+    """No backend of the caller's choice takes the input (its reasons in the message, e.g. the
+    dtypes a kernel takes). Also a ValueError: for the caller it is a bad argument (the backend,
+    or the input given to a lone backend), as is any other input that the layer refuses."""
 
 
 for _branch in BRANCHES:

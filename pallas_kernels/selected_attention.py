@@ -236,7 +236,9 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     queries_per_step = rows // h
     # Row r of a step is (query slot r // h, head g*h + r % h); rows past h*queries_per_step idle.
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    slot, head = lax.div(r, h), lax.rem(r, h)
+    # int32 divisors: lax.div / lax.rem want one dtype, and under jax_enable_x64 a Python int
+    # operand would be int64.
+    slot, head = lax.div(r, jnp.int32(h)), lax.rem(r, jnp.int32(h))
     key_pos = start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
     key_in_block = lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < l_sel
 
@@ -259,7 +261,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
         dk = dk + _dot(ds.astype(q.dtype), q)                      # [tile, dk_pad]
         return dk, dv
 
-    n_steps = lax.div(hi - lo + queries_per_step - 1, queries_per_step)
+    n_steps = lax.div(hi - lo + queries_per_step - 1, jnp.int32(queries_per_step))
     dk, dv = lax.fori_loop(0, n_steps, step, (jnp.zeros(dk_ref.shape, jnp.float32),
                                               jnp.zeros(dv_ref.shape, jnp.float32)))
     dk_ref[...] = dk * scale
@@ -481,6 +483,10 @@ def _selected_attention_bwd(geo, scale, block_sizes, interpret, debug, residuals
 _selected_attention.defvjp(_selected_attention_fwd, _selected_attention_bwd)
 
 
+# Input dtypes of the kernels: their accumulators, softmax statistics and residuals are float32.
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _validate(q, k, v, block_idx, block_size) -> _Geometry:
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, H, d_k], got shape {q.shape}")
@@ -527,6 +533,8 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       implementation: "triton" (Pallas Triton lowering) or "xla" (the reference).
 
+    Raises NotImplementedError for inputs outside `KERNEL_DTYPES` (float64) with "triton".
+
     Returns:
       o: `[B, T, H, d_v]` in q's dtype. Differentiable in q, k, v.
     """
@@ -535,6 +543,12 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     if implementation == "xla":
         return selected_attention_reference(q, k, v, block_idx, block_size, scale)
+    if q.dtype not in KERNEL_DTYPES:
+        # NotImplementedError, not ValueError: a dispatch fallback list moves on to a backend
+        # that takes the dtype (XLA computes float64 exactly).
+        raise NotImplementedError(
+            f"the Pallas selected_attention kernel takes {', '.join(map(str, KERNEL_DTYPES))} "
+            f"inputs (float32 accumulators), got {q.dtype}")
     return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
                                interpret, debug)
 
