@@ -120,14 +120,18 @@ def test_kernel_level_outputs_poisoned_exactly_where_they_attend(branch):
 @pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_pallas_kernels_isolate(dtype):
-    """The compiled Pallas kernels (not interpret mode), causal and batch isolation."""
+    """The compiled Pallas kernels (not interpret mode) and the cuDNN window path (bf16),
+    causal and batch isolation."""
     cfg = NSAConfig(d_model=128, n_heads=4, n_kv_heads=2, d_k=32, d_v=32, cmp_block=16,
                     cmp_stride=8, sel_block=32, n_sel=4, window=64)
     params, x = make_inputs(cfg, 2, 256, dtype)
     x_bad = x.at[0, 150].set(jnp.nan)
     backend = ("pallas", "xla")
     y, y_bad = _run(cfg, backend, x, params=params), _run(cfg, backend, x_bad, params=params)
-    np.testing.assert_array_equal(np.asarray(y_bad[0, :150], np.float32),
-                                  np.asarray(y[0, :150], np.float32))
-    np.testing.assert_array_equal(np.asarray(y_bad[1], np.float32), np.asarray(y[1], np.float32))
+    # Same finite values in both runs; the GPU's reductions may still round differently.
+    tol = TOL if dtype == jnp.float32 else 1e-2
+    for got, want in ((y_bad[0, :150], y[0, :150]), (y_bad[1], y[1])):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     assert not np.isfinite(np.asarray(y_bad[0, 150], np.float32)).any()
