@@ -72,7 +72,7 @@ def _query_bad(bad_q: jax.Array, n_groups: int) -> jax.Array:
 
 def _per_head(bad: jax.Array) -> jax.Array:
     """`[B, T, G, h]` -> `[B, T, H]`."""
-    return bad.reshape(*bad.shape[:2], -1)
+    return bad.reshape(*bad.shape[:2], bad.shape[2] * bad.shape[3])  # no -1: B may be 0
 
 
 def _kv_bad(k, v) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -213,7 +213,9 @@ def _compressed_rows(q, k_cmp, v_cmp, q_pos, cfg: NSAConfig, scale: float):
     bad = q_bad | sees_bad[..., None]                                     # [B, Tq, G, h]
     o = None
     if v_cmp is not None:
-        o = _poison(torch.einsum("bqghc,bcgd->bqghd", p_cmp, v_safe), bad).reshape(B, Tq, H, -1)
+        # Explicit sizes, no -1: a reshape cannot infer it from 0 elements (B = 0).
+        o = _poison(torch.einsum("bqghc,bcgd->bqghd", p_cmp, v_safe), bad)
+        o = o.reshape(B, Tq, H, v_safe.shape[-1])
     return o, p_cmp, lse.masked_fill(bad, math.nan).reshape(B, Tq, H)
 
 
@@ -332,7 +334,8 @@ def _selected_rows(q, k, v, block_idx, block_size: int, q_pos, scale: float) -> 
     scores = torch.einsum("bqghd,bqgsd->bqghs", q_safe, k_sel) * scale
     probs, _ = _masked_softmax(scores, valid[:, :, :, None, :])
     bad = q_bad | (valid & (k_bad | v_bad)).any(dim=-1)[..., None]
-    return _poison(torch.einsum("bqghs,bqgsd->bqghd", probs, v_sel), bad).reshape(B, Tq, H, -1)
+    o = _poison(torch.einsum("bqghs,bqgsd->bqghd", probs, v_sel), bad)
+    return o.reshape(B, Tq, H, v_sel.shape[-1])
 
 
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -385,7 +388,7 @@ def _window_rows(q, k, v, q_pos, k_pos, window: int, scale: float) -> torch.Tens
     probs, _ = _masked_softmax(scores, visible[None, :, None, None, :])
     sees_bad = torch.einsum("qs,bsg->bqg", visible.to(acc), (k_bad | v_bad).to(acc)) > 0
     o = torch.einsum("bqghs,bsgd->bqghd", probs, v_safe)
-    return _poison(o, q_bad | sees_bad[..., None]).reshape(B, Tq, H, -1)
+    return _poison(o, q_bad | sees_bad[..., None]).reshape(B, Tq, H, v_safe.shape[-1])
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
