@@ -135,3 +135,25 @@ def test_gpu_pallas_kernels_isolate(dtype):
         assert np.all(np.isfinite(got))
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     assert not np.isfinite(np.asarray(y_bad[0, 150], np.float32)).any()
+
+
+def test_decode_keeps_batch_rows_apart():
+    """A NaN in one row's prompt and in its next token leaves the other row's decode unchanged;
+    the NaN row's own earlier outputs were emitted before it arrived."""
+    cfg = CFG
+    params, x = make_inputs(cfg, 2, 24, jnp.float32, seed=4)
+    x_bad = x.at[0, 10].set(jnp.nan).at[0, 21].set(jnp.inf)
+
+    def decode(x):
+        cache = nsa_jax.init_cache(cfg, 2, 24)
+        y, cache = nsa_jax.prefill(params, x[:, :20], cfg, cache)
+        outs = [y]
+        for t in range(20, 24):
+            y_t, cache, _ = nsa_jax.decode_step(params, x[:, t:t + 1], cfg, cache)
+            outs.append(y_t)
+        return jnp.concatenate(outs, axis=1)
+
+    y, y_bad = decode(x), decode(x_bad)
+    _close(y_bad[1], y[1])
+    _close(y_bad[0, :10], y[0, :10])
+    assert not np.isfinite(np.asarray(y_bad[0, 10])).any()
