@@ -7,6 +7,7 @@ Kernel-level (BTHD): `compress_kv`, `compressed_attention`, `select_blocks`,
 compressed attention, selected attention; interpret mode off a GPU) comes from `pallas_kernels`.
 """
 from nsa_common import NSAConfig
+from nsa_jax.checks import check_cu_seqlens, cu_seqlens_valid
 from nsa_jax.decode import DecodeCache, decode_step, init_cache, prefill
 from nsa_jax.dispatch import known_backends, register_backend
 from nsa_jax.kernels import (compress_kv, compressed_attention, select_blocks,
@@ -25,8 +26,10 @@ __all__ = [
     "PallasOptions",
     "XlaOptions",
     "apply_rope",
+    "check_cu_seqlens",
     "compress_kv",
     "compressed_attention",
+    "cu_seqlens_valid",
     "decode_step",
     "init_cache",
     "init_params",
