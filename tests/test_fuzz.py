@@ -4,13 +4,26 @@ n_init, n_local, window, compress mean / mlp, shared K/V, RoPE on / off, odd T a
 Each example compares the whole layer with the float64 brute force (`tests/bruteforce.py`):
 nsa_jax on XLA (float64), on the Pallas kernels (interpret mode, float32, within the spec's
 float32 tolerance), the torch reference (float64), and nsa_jax decode (prefill of a prefix, then
-one `decode_step` per token) with the layer. Examples are derandomized and few, so CI time stays
-bounded (each new configuration compiles anew) and a failure reproduces.
+one `decode_step` per token) with the layer, and the torch fast paths (Triton selection, FA-2
+window / compressed; on a CPU, Triton's interpreter and FA-2's torch fallback). Examples are
+derandomized and few, so CI time stays bounded (each new configuration compiles anew) and a
+failure reproduces.
+
+The Triton interpreter has to be switched on before triton is first imported: set here, at
+collection, as in test_torch_triton_selection.py.
 """
+import importlib
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +99,26 @@ def test_pallas_layer_matches_bruteforce(case):
 @settings(FUZZ, max_examples=8)
 @given(case=layer_cases())
 def test_torch_reference_layer_matches_bruteforce(case):
+    _check_torch_layer(case, backends=None, dtype=torch.float64, tol=TOL_F64)
+
+
+@settings(FUZZ, max_examples=2)
+@given(case=layer_cases())
+def test_torch_fast_paths_match_bruteforce(case):
+    """float32: the Triton kernels take float32 / bf16 / fp16 only."""
+    from nsa_torch_ref import routing, triton_selection
+
+    if not torch.cuda.is_available() and not triton_selection._interpreted():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("no CUDA and TRITON_INTERPRET is not 1")
+        importlib.reload(triton_selection)  # imported earlier without the interpreter
+    routing.register_fast_paths()
+    backends = {"selected_attention": "triton", "compressed_attention": "fa2",
+                "sliding_window_attention": "fa2"}
+    _check_torch_layer(case, backends=backends, dtype=torch.float32, tol=TOL_F32)
+
+
+def _check_torch_layer(case, *, backends, dtype, tol):
     from nsa_torch_ref import NSAAttention
     from parity.convert import params_to_module
 
@@ -93,11 +126,11 @@ def test_torch_reference_layer_matches_bruteforce(case):
     with enable_x64():
         params, x = make_inputs(cfg, B, T, jnp.float64)
         ref_y, ref_aux = _reference(params, x, cfg, cu)
-        module = params_to_module(params, NSAAttention(cfg, dtype=torch.float64))
+        module = params_to_module(params, NSAAttention(cfg, backends=backends, dtype=dtype))
     with torch.no_grad():
-        y, aux = module(torch.from_numpy(np.array(x)), return_aux=True,
+        y, aux = module(torch.from_numpy(np.array(x)).to(dtype), return_aux=True,
                         cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
-    assert rel_err(y.numpy(), ref_y) <= TOL_F64
+    assert rel_err(y.numpy(), ref_y) <= tol
     np.testing.assert_array_equal(aux["block_idx"].numpy(), ref_aux["block_idx"])
 
 
