@@ -124,3 +124,36 @@ def test_reference_kernels_isolate_nonfinite_keys_and_values(branch):
         keep = torch.ones(g.shape[1], dtype=torch.bool)
         keep[bad_key] = False
         assert_same(g_bad[:, keep], g[:, keep], name)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("branch", ["window", "compressed"])
+def test_fa2_wrappers_isolate_nonfinite_tokens(branch, packed):
+    """The FA-2 entry points zero non-finite inputs and poison the rows that see them, whatever
+    the kernel does with masked keys (on a CPU they run the reference; the GPU test runs the
+    kernels). Packed: a NaN in the second sequence leaves the first and its own prefix alone."""
+    from nsa_common import num_cmp_blocks
+    from nsa_torch_ref import fa2
+    cfg = CFG
+    gen = torch.Generator().manual_seed(4)
+    G, H = cfg.n_kv_heads, cfg.n_heads
+    cu = torch.tensor([0, 30, 60], dtype=torch.int32) if packed else None
+    lengths = [30, 30] if packed else [T]
+    q = torch.randn(1, T, H, cfg.d_k, dtype=torch.float64, generator=gen)
+    if branch == "window":
+        S, bad, first_seen = T, 45, 45
+        fn = lambda q, k, v: fa2.sliding_window_attention_fa2(q, k, v, cfg.window,  # noqa: E731
+                                                              cu_seqlens=cu)
+    else:
+        S = sum(num_cmp_blocks(cfg, n) for n in lengths)
+        bad = S - 1  # the last block of the last sequence, first seen by its last token(s)
+        last_block = num_cmp_blocks(cfg, lengths[-1]) - 1
+        first_seen = T - lengths[-1] + last_block * cfg.cmp_stride + cfg.cmp_block - 1
+        fn = lambda q, k, v: fa2.compressed_attention_fa2(q, k, v, cfg, cu_seqlens=cu)  # noqa: E731
+    k = torch.randn(1, S, G, cfg.d_k, dtype=torch.float64, generator=gen)
+    v = torch.randn(1, S, G, cfg.d_v, dtype=torch.float64, generator=gen)
+    k_bad = k.clone()
+    k_bad[0, bad, 0, 0] = float("nan")
+    o, o_bad = fn(q, k, v), fn(q, k_bad, v)
+    assert_same(o_bad[:, :first_seen], o[:, :first_seen], "rows before the bad key")
+    assert not torch.isfinite(o_bad[:, first_seen]).all()
