@@ -4,14 +4,12 @@
 A NaN / inf at token t of a sequence must change nothing before t and nothing in another batch
 row or packed sequence, forward and backward (gradient wrt x of a loss over the clean rows).
 """
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from nsa_common import NSAConfig
-from nsa_torch_ref import NSAAttention, reference
+from nsa_torch_ref import reference
 from test_torch_layer import make_layer
 
 T, BAD = 60, 30   # the bad token sits mid-sequence, inside every branch's reach
@@ -42,7 +40,8 @@ def run_layer(layer, x, keep, cu_seqlens=None):
 @pytest.mark.parametrize("cfg", [CFG, CFG_MEAN], ids=["mlp", "mean-shared-w5"])
 def test_nonfinite_token_stays_in_its_row_and_after_it(cfg, bad_value):
     layer = make_layer(cfg)
-    x = torch.randn(2, T, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, T, cfg.d_model, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
     x_bad = x.clone()
     x_bad[0, BAD, 0] = bad_value
     keep = torch.arange(T)[None, :] < torch.tensor([[BAD], [T]])  # row 0 before t, all of row 1
@@ -63,7 +62,8 @@ def test_nonfinite_token_stays_in_its_row_and_after_it(cfg, bad_value):
 def test_packed_sequences_do_not_leak(bad):
     cfg, cu = CFG, torch.tensor([0, 30, 60], dtype=torch.int32)
     layer = make_layer(cfg)
-    x = torch.randn(1, T, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(1, T, cfg.d_model, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(2))
     x_bad = x.clone()
     x_bad[0, bad] = float("nan")
     own_start = 30 if bad >= 30 else 0
@@ -102,9 +102,11 @@ def test_reference_kernels_isolate_nonfinite_keys_and_values(branch):
             idx = torch.arange(cfg.n_sel).expand(B, T, G, cfg.n_sel).to(torch.int32)
             idx = torch.where(idx <= (torch.arange(T) // cfg.sel_block)[None, :, None, None],
                               idx, -1)
-            fn = lambda q, k, v: reference.selected_attention(q, k, v, idx, cfg.sel_block)  # noqa: E731
+            def fn(q, k, v):
+                return reference.selected_attention(q, k, v, idx, cfg.sel_block)
         else:
-            fn = lambda q, k, v: reference.sliding_window_attention(q, k, v, cfg.window)  # noqa: E731
+            def fn(q, k, v):
+                return reference.sliding_window_attention(q, k, v, cfg.window)
     k_bad, v_bad = k.clone(), v.clone()
     k_bad[0, bad_key, 0, 1] = float("nan")
     v_bad[0, bad_key, 1, 0] = float("inf")
