@@ -115,10 +115,11 @@ def test_torch_fast_paths_match_bruteforce(case):
     routing.register_fast_paths()
     backends = {"selected_attention": "triton", "compressed_attention": "fa2",
                 "sliding_window_attention": "fa2"}
-    _check_torch_layer(case, backends=backends, dtype=torch.float32, tol=TOL_F32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the compiled kernels need CUDA
+    _check_torch_layer(case, backends=backends, dtype=torch.float32, tol=TOL_F32, device=device)
 
 
-def _check_torch_layer(case, *, backends, dtype, tol):
+def _check_torch_layer(case, *, backends, dtype, tol, device="cpu"):
     from nsa_torch_ref import NSAAttention
     from parity.convert import params_to_module
 
@@ -126,12 +127,14 @@ def _check_torch_layer(case, *, backends, dtype, tol):
     with enable_x64():
         params, x = make_inputs(cfg, B, T, jnp.float64)
         ref_y, ref_aux = _reference(params, x, cfg, cu)
-        module = params_to_module(params, NSAAttention(cfg, backends=backends, dtype=dtype))
+        module = params_to_module(params, NSAAttention(cfg, backends=backends, dtype=dtype,
+                                                       device=device))
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32, device=device)
     with torch.no_grad():
-        y, aux = module(torch.from_numpy(np.array(x)).to(dtype), return_aux=True,
-                        cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
-    assert rel_err(y.numpy(), ref_y) <= tol
-    np.testing.assert_array_equal(aux["block_idx"].numpy(), ref_aux["block_idx"])
+        y, aux = module(torch.from_numpy(np.array(x)).to(device, dtype), return_aux=True,
+                        cu_seqlens=cu_seqlens)
+    assert rel_err(y.cpu().numpy(), ref_y) <= tol
+    np.testing.assert_array_equal(aux["block_idx"].cpu().numpy(), ref_aux["block_idx"])
 
 
 @settings(FUZZ, max_examples=3)
