@@ -549,6 +549,8 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
         raise NotImplementedError(
             f"the Pallas selected_attention kernel takes {', '.join(map(str, KERNEL_DTYPES))} "
             f"inputs (float32 accumulators), got {q.dtype}")
+    if geo.B == 0:  # an empty batch: no grid to launch (its blocks would be out of bounds)
+        return jnp.zeros((0, geo.T, geo.H, geo.d_v), q.dtype)
     return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
                                interpret, debug)
 

@@ -98,3 +98,13 @@ def test_check_cu_seqlens_on_concrete_values_and_without_checkify():
     # Traced without checkify: refused at trace time rather than silently unchecked.
     with pytest.raises(ValueError, match="checkify"):
         jax.jit(lambda cu: nsa_jax.check_cu_seqlens(cu, 40))(jnp.array([0, 40], jnp.int32))
+
+
+def test_pallas_selected_attention_empty_batch():
+    from pallas_kernels.selected_attention import selected_attention
+    q, k, v = jnp.zeros((0, T, 2, 16)), jnp.zeros((0, T, 1, 16)), jnp.zeros((0, T, 1, 8))
+    block_idx = jnp.zeros((0, T, 1, 2), jnp.int32)
+    out, grads = jax.value_and_grad(
+        lambda q: jnp.sum(selected_attention(q, k, v, block_idx, 16, interpret=True)))(q)
+    assert out == 0 and grads.shape == q.shape
+    assert selected_attention(q, k, v, block_idx, 16, interpret=True).shape == (0, T, 2, 8)
