@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 from nsa_common import NSAConfig
 from nsa_jax.core import native_sparse_attention
+from nsa_jax.checks import check_cu_seqlens, cu_seqlens_valid
 from nsa_jax.decode import DecodeCache, decode_step, init_cache, prefill
 from nsa_jax.dispatch import known_backends, register_backend
 from nsa_jax.kernels import (compress_kv, compressed_attention, select_blocks,
@@ -33,8 +34,10 @@ __all__ = [
     "PallasOptions",
     "XlaOptions",
     "apply_rope",
+    "check_cu_seqlens",
     "compress_kv",
     "compressed_attention",
+    "cu_seqlens_valid",
     "decode_step",
     "init_cache",
     "init_params",

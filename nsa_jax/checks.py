@@ -7,6 +7,7 @@ from typing import Mapping, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from nsa_common import NSAConfig
 
@@ -82,6 +83,45 @@ def cmp_params(name: str, params: Optional[Mapping], cfg: NSAConfig, n_groups: i
         if tuple(params[key].shape) != shape:
             raise ValueError(f"{name}[{key!r}] has shape {tuple(params[key].shape)}, "
                              f"expected {shape}")
+
+
+def cu_seqlens_valid(cu_seqlens, seq_len: int) -> jax.Array:
+    """bool scalar: `cu_seqlens` `[N + 1]` rises from 0 to `seq_len` without a drop. Plain jnp,
+    so it also works on traced values (e.g. to skip a batch with `lax.cond`)."""
+    cu = jnp.asarray(cu_seqlens)
+    return (cu[0] == 0) & (cu[-1] == seq_len) & jnp.all(cu[1:] >= cu[:-1])
+
+
+def check_cu_seqlens(cu_seqlens, seq_len: int) -> None:
+    """Check the values of `cu_seqlens` (int `[N + 1]`): `0 = cu[0] <= ... <= cu[N] = seq_len`.
+
+    Concrete values: ValueError when they are wrong. Traced values (under `jax.jit`), which the
+    layer cannot see: a `jax.experimental.checkify.check`, so the caller's function must be
+    wrapped in `checkify.checkify` (the error then comes back from it; `err.throw()` raises):
+
+        @jax.jit
+        def step(params, x, cu):
+            nsa_jax.check_cu_seqlens(cu, x.shape[1])
+            return nsa_jax.nsa_attention(params, x, cfg, cu_seqlens=cu)
+        err, y = checkify.checkify(step)(params, x, cu)
+        err.throw()
+
+    Without `checkify` a traced call fails at trace time saying so: a wrong packing is otherwise
+    silent (sequences overlap, or tokens fall outside every sequence).
+    """
+    array("cu_seqlens", cu_seqlens, 1, floating=False, integer=True)
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError("cu_seqlens must hold at least 2 entries ([0, T] for one sequence)")
+    values = concrete(cu_seqlens)
+    if values is not None:
+        if values[0] != 0 or values[-1] != seq_len or np.any(np.diff(values) < 0):
+            raise ValueError(f"cu_seqlens ({values.tolist()}) must rise from 0 to T = {seq_len}")
+        return
+    cu = jnp.asarray(cu_seqlens)
+    checkify.check(cu_seqlens_valid(cu, seq_len),
+                   "cu_seqlens must rise from 0 to T = {T}: it starts at {first}, ends at "
+                   "{last} and falls {drops} time(s)", T=jnp.int32(seq_len), first=cu[0],
+                   last=cu[-1], drops=jnp.sum(cu[1:] < cu[:-1]))
 
 
 def concrete(x):

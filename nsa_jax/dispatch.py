@@ -20,6 +20,8 @@ sequence falls through (e.g. `("my-kernels", "xla")`). A backend that implements
 branches may name a fallback when it registers (`register_fallback`): `"pallas"` is
 `("pallas", "xla")`, i.e. "the Pallas kernels where they exist, XLA for the rest". Other single
 names never silently change path.
+When no backend is left, `NoBackendError` (both a NotImplementedError and a ValueError) says why
+each one refused.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 
-from nsa_jax import xla
+from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
             "sliding_window_attention")
@@ -104,7 +106,17 @@ def backend_names(backend: Backend) -> tuple[str, ...]:
 
 def call(branch: str, backend: Backend, *args, segments=None,
          options: Optional[Mapping[str, Any]] = None, **kwargs):
-    """Run `branch` on the first backend of `backend` that can handle the input."""
+    """Run `branch` on the first backend of `backend` that can handle the input.
+
+    Every backend runs inside `nonfinite.GUARDS[branch]`: it sees only finite inputs, and the
+    outputs that attend a non-finite value become NaN (isolation of NaN / inf between tokens
+    and sequences, whatever the backend does with masked keys)."""
+    run = functools.partial(_first_capable, branch, backend, options=options)
+    return nonfinite.GUARDS[branch](run, *args, segments=segments, **kwargs)
+
+
+def _first_capable(branch: str, backend: Backend, *args, segments=None,
+                   options: Optional[Mapping[str, Any]] = None, **kwargs):
     reasons = []
     names = backend_names(backend)
     for name in names:
@@ -124,8 +136,13 @@ def call(branch: str, backend: Backend, *args, segments=None,
             return entry.fn(*args, **extra)
         except NotImplementedError as err:
             reasons.append(f"{name!r}: {err}")
-    raise NotImplementedError(f"no backend of {list(names)} can run {branch}: "
-                              + "; ".join(reasons))
+    raise NoBackendError(f"no backend of {list(names)} can run {branch}: " + "; ".join(reasons))
+
+
+class NoBackendError(NotImplementedError, ValueError):
+    """No backend of the caller's choice takes the input (its reasons in the message, e.g. the
+    dtypes a kernel takes). Also a ValueError: for the caller it is a bad argument (the backend,
+    or the input given to a lone backend), as is any other input that the layer refuses."""
 
 
 for _branch in BRANCHES:

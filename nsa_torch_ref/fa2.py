@@ -268,6 +268,32 @@ def _variant(n_segments: int, config: runtime.RuntimeConfig) -> str:
 # ---------------------------------------------------------------------------------------------
 # Sliding window
 # ---------------------------------------------------------------------------------------------
+def _prefix_bad(kv_bad: torch.Tensor) -> torch.Tensor:
+    """kv_bad bool [B, S, G] -> int [B, S + 1, G]: bad rows among the first s."""
+    return torch.nn.functional.pad(torch.cumsum(kv_bad.to(torch.int32), dim=1), (0, 0, 1, 0))
+
+
+def _guarded(run, q, k, v, rows_seeing):
+    """Run `run(q, k, v)` on inputs whose non-finite entries are zeroed, and set to NaN the
+    output rows that attend a non-finite key / value row or hold a non-finite query.
+
+    FA-2 (and its reference fallback) multiply the masked keys of a tile by a zero weight:
+    `0 * NaN = NaN` would carry one bad token to the queries that cannot see it, across
+    causality and packed sequences. rows_seeing(prefix [B, S + 1, G]) -> bool [B, T, G]: the
+    queries whose visible keys hold a bad row. The poisoned rows pass no gradient.
+    """
+    (q, q_bad), (k, k_bad), (v, v_bad) = (reference._split_finite(x) for x in (q, k, v))
+    out = run(q, k, v)
+    sees = rows_seeing(_prefix_bad(k_bad | v_bad))
+    return reference._poison(out, q_bad | sees.repeat_interleave(q.shape[2] // k.shape[2], 2))
+
+
+def _token_starts(segments: list[tuple[int, int]], device) -> torch.Tensor:
+    """int64 [T]: first token of each token's sequence."""
+    return torch.cat([torch.full((n,), s, dtype=torch.int64, device=device)
+                      for s, n in segments] or [torch.zeros(0, dtype=torch.int64, device=device)])
+
+
 def _window_reference(q, k, v, window, scale, segments):
     parts = [reference.sliding_window_attention(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n],
                                                 window, scale)
@@ -291,9 +317,21 @@ def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window ({window!r}) must be a positive int")
     B, T, H, d_k = q.shape
-    d_v = v.shape[3]
     scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
     segments = _segments(cu_seqlens, B, T)
+    t = torch.arange(T, device=q.device)
+    lo = torch.maximum(_token_starts(segments, q.device), t - window + 1)
+
+    def rows_seeing(prefix):  # keys [max(start, t - w + 1), t]
+        return (prefix[:, t + 1] - prefix[:, lo]) > 0
+
+    return _guarded(lambda q, k, v: _window_fa2(q, k, v, window, scale, segments), q, k, v,
+                    rows_seeing)
+
+
+def _window_fa2(q, k, v, window: int, scale: float, segments):
+    B, T, H, d_k = q.shape
+    d_v = v.shape[3]
     config = runtime.load(q.device)
     head_dim = _common_head_dim(d_k, d_v)
     kernel, reason = kernel_choice(q, head_dim)
@@ -375,7 +413,30 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
         if cu_seqlens is not None:
             raise ValueError("return_lse is only supported without cu_seqlens")
         return reference.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
+    # Query t (local position p of sequence n) sees its sequence's blocks
+    # [offset_n, offset_n + n_visible(p)), n_visible(p) = #{i : i*d + l - 1 <= p}.
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    offsets = torch.tensor([0] + counts, device=q.device).cumsum(0)[:-1]
+    first = _token_starts(segments, q.device)
+    local = torch.arange(T, device=q.device) - first
+    seq = torch.cat([torch.full((n,), i, device=q.device, dtype=torch.int64)
+                     for i, (_, n) in enumerate(segments)])
+    lo = offsets[seq]
+    hi = lo + torch.where(local >= l - 1, torch.div(local - l + 1, d, rounding_mode="floor") + 1,
+                          0)
 
+    def rows_seeing(prefix):
+        return (prefix[:, hi] - prefix[:, lo]) > 0
+
+    return _guarded(lambda q, k_cmp, v_cmp: _compressed_fa2(q, k_cmp, v_cmp, cfg, scale,
+                                                            segments, index, valid, counts),
+                    q, k_cmp, v_cmp, rows_seeing)
+
+
+def _compressed_fa2(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float, segments, index, valid,
+                    counts):
+    B, T, H, d_k = q.shape
+    d_v = v_cmp.shape[3]
     config = runtime.load(q.device)
     head_dim = _common_head_dim(d_k, d_v)
     kernel, reason = kernel_choice(q, head_dim)

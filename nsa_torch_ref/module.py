@@ -162,6 +162,13 @@ class NSAAttention(nn.Module):
             raise ValueError(f"x must be a [B, T, d_model={cfg.d_model}] tensor, got {shape}")
         if x.shape[1] == 0:
             raise ValueError("x must hold at least one token (T >= 1)")
+        # Caught here rather than as a dtype mismatch deep inside the first projection.
+        if not x.is_floating_point():
+            raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+        # Under autocast the matmuls cast both sides, so mixed dtypes are the normal case there.
+        if x.dtype != self.wq.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise ValueError(f"x has dtype {x.dtype} but the layer's parameters are "
+                             f"{self.wq.dtype} (convert one of them, e.g. layer.to(x.dtype))")
         if cu_seqlens is None:
             return
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:

@@ -80,6 +80,27 @@ def _masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     return probs, lse.squeeze(-1)
 
 
+def _split_finite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (x with non-finite entries zeroed, bool [...]: the row holds one).
+
+    Attention multiplies every key and value by a weight, the masked ones too (weight 0), and
+    `0 * NaN = NaN`: one non-finite token would reach every query of the product, across
+    causality and the tokens a gathered block holds past the query, forward (`p @ v`) and
+    backward (`ds^T @ q`, `ds @ k`). The branches therefore compute on zeroed operands and
+    `_poison` the rows that did see a non-finite value afterwards.
+    """
+    finite = torch.isfinite(x)
+    return torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device)), \
+        ~finite.all(dim=-1)
+
+
+def _poison(o: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """o [..., d] with the rows where bad [...] is True set to NaN. `masked_fill` passes no
+    gradient to the filled rows, so a loss over the clean rows gets exactly the clean gradients
+    (a loss over a NaN row is NaN anyway)."""
+    return o.masked_fill(bad[..., None], math.nan)
+
+
 def _check_rank4(name: str, tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
         shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
@@ -141,7 +162,9 @@ def compress_kv(k: torch.Tensor, cmp_params: Optional[Mapping[str, torch.Tensor]
     (`compress="mean"`).
     Returns [B, C, G, D], C = num_cmp_blocks(cfg, T); block i covers tokens [i*d, i*d + l).
     With C = 0 the result is empty but still connected to the graph, so every parameter gets a
-    (zero) gradient instead of None.
+    (zero) gradient instead of None. A block holding a non-finite token is NaN; the MLP runs on
+    zeroed tokens so that the zero gradient of a block nobody sees does not meet
+    `gelu'(NaN)` (`0 * NaN`) and reach the block's other, finite tokens.
     """
     _check_rank4("k", k)
     B, T, G, D = k.shape
@@ -152,12 +175,15 @@ def compress_kv(k: torch.Tensor, cmp_params: Optional[Mapping[str, torch.Tensor]
         blocks = k.unfold(1, l, d).permute(0, 1, 2, 4, 3)  # [B, C, G, l, D]
     if cmp_params is None:
         return blocks.mean(dim=3)
+    blocks, token_bad = _split_finite(blocks)
+    block_bad = token_bad.any(dim=-1)  # [B, C, G]
     if cmp_params["pos"].shape != (G, l, D):
         raise ValueError(f"cmp_params['pos'] shape {tuple(cmp_params['pos'].shape)} must be "
                          f"{(G, l, D)} for k of shape {tuple(k.shape)}")
     flat = (blocks + cmp_params["pos"]).flatten(3)  # token-major: [s, c] -> s*D + c
     hidden = F.gelu(torch.einsum("bcgi,gio->bcgo", flat, cmp_params["w1"]) + cmp_params["b1"])
-    return torch.einsum("bcgi,gio->bcgo", hidden, cmp_params["w2"]) + cmp_params["b2"]
+    return _poison(torch.einsum("bcgi,gio->bcgo", hidden, cmp_params["w2"]) + cmp_params["b2"],
+                   block_bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,19 +194,29 @@ def _compressed_rows(q, k_cmp, v_cmp, q_pos, cfg: NSAConfig, scale: float):
 
     q [B, Tq, H, dk], k_cmp [B, C, G, dk], v_cmp [B, C, G, dv] (v_cmp may be None when only the
     probabilities are wanted). Returns (o [B, Tq, H, dv] or None, p_cmp [B, Tq, G, h, C],
-    lse [B, Tq, H]), all in the accumulation dtype.
+    lse [B, Tq, H]), all in the accumulation dtype. o and lse are NaN on the rows that see a
+    non-finite query, key or value; p_cmp is computed from their zeroed (finite) versions.
     """
     acc = _acc_dtype(q.dtype)
     B, Tq, H, _ = q.shape
     C, G = k_cmp.shape[1], k_cmp.shape[2]
-    scores = torch.einsum("bqghd,bcgd->bqghc", _group(q, G, acc), k_cmp.to(acc)) * scale
+    q_safe, q_bad = _split_finite(_group(q, G, acc))                      # q_bad [B, Tq, G, h]
+    k_safe, kv_bad = _split_finite(k_cmp.to(acc))                         # kv_bad [B, C, G]
+    if v_cmp is not None:
+        v_safe, v_bad = _split_finite(v_cmp.to(acc))
+        kv_bad = kv_bad | v_bad
+    scores = torch.einsum("bqghd,bcgd->bqghc", q_safe, k_safe) * scale
     block_end = torch.arange(C, device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
     admissible = block_end[None, :] <= q_pos[:, None]  # [Tq, C]
     p_cmp, lse = _masked_softmax(scores, admissible[None, :, None, None, :])
+    sees_bad = torch.einsum("qc,bcg->bqg", admissible.to(acc), kv_bad.to(acc)) > 0
+    bad = q_bad | sees_bad[..., None]                                     # [B, Tq, G, h]
     o = None
     if v_cmp is not None:
-        o = torch.einsum("bqghc,bcgd->bqghd", p_cmp, v_cmp.to(acc)).reshape(B, Tq, H, -1)
-    return o, p_cmp, lse.reshape(B, Tq, H)
+        # Explicit sizes, no -1: a reshape cannot infer it from 0 elements (B = 0).
+        o = _poison(torch.einsum("bqghc,bcgd->bqghd", p_cmp, v_safe), bad)
+        o = o.reshape(B, Tq, H, v_safe.shape[-1])
+    return o, p_cmp, lse.masked_fill(bad, math.nan).reshape(B, Tq, H)
 
 
 def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
@@ -292,11 +328,14 @@ def _selected_rows(q, k, v, block_idx, block_size: int, q_pos, scale: float) -> 
     valid = valid.flatten(3)
     batch = torch.arange(B, device=q.device)[:, None, None, None]
     group = torch.arange(G, device=q.device)[None, None, :, None]
-    k_sel = k[batch, token, group].to(acc)  # [B, Tq, G, n*block_size, dk]
-    v_sel = v[batch, token, group].to(acc)
-    scores = torch.einsum("bqghd,bqgsd->bqghs", _group(q, G, acc), k_sel) * scale
+    k_sel, k_bad = _split_finite(k[batch, token, group].to(acc))  # [B, Tq, G, n*block_size, dk]
+    v_sel, v_bad = _split_finite(v[batch, token, group].to(acc))
+    q_safe, q_bad = _split_finite(_group(q, G, acc))
+    scores = torch.einsum("bqghd,bqgsd->bqghs", q_safe, k_sel) * scale
     probs, _ = _masked_softmax(scores, valid[:, :, :, None, :])
-    return torch.einsum("bqghs,bqgsd->bqghd", probs, v_sel).reshape(B, Tq, H, -1)
+    bad = q_bad | (valid & (k_bad | v_bad)).any(dim=-1)[..., None]
+    o = _poison(torch.einsum("bqghs,bqgsd->bqghd", probs, v_sel), bad)
+    return o.reshape(B, Tq, H, v_sel.shape[-1])
 
 
 def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -343,9 +382,13 @@ def _window_rows(q, k, v, q_pos, k_pos, window: int, scale: float) -> torch.Tens
     B, Tq, H, _ = q.shape
     G = k.shape[2]
     visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
-    scores = torch.einsum("bqghd,bsgd->bqghs", _group(q, G, acc), k.to(acc)) * scale
+    (q_safe, q_bad), (k_safe, k_bad) = _split_finite(_group(q, G, acc)), _split_finite(k.to(acc))
+    v_safe, v_bad = _split_finite(v.to(acc))
+    scores = torch.einsum("bqghd,bsgd->bqghs", q_safe, k_safe) * scale
     probs, _ = _masked_softmax(scores, visible[None, :, None, None, :])
-    return torch.einsum("bqghs,bsgd->bqghd", probs, v.to(acc)).reshape(B, Tq, H, -1)
+    sees_bad = torch.einsum("qs,bsg->bqg", visible.to(acc), (k_bad | v_bad).to(acc)) > 0
+    o = torch.einsum("bqghs,bsgd->bqghd", probs, v_safe)
+    return _poison(o, q_bad | sees_bad[..., None]).reshape(B, Tq, H, v_safe.shape[-1])
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_torch_ref.reference import _poison, _split_finite
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -506,6 +508,32 @@ class SelectedAttentionTriton(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _rows_seeing_nonfinite(kv_bad: torch.Tensor, block_idx: torch.Tensor, block_size: int,
+                           seq_start: Optional[torch.Tensor]) -> torch.Tensor:
+    """bool [B, T, G]: query t of group g attends a token whose key or value is non-finite.
+
+    kv_bad [B, T, G]; block_idx [B, T, G, n] (local to the query's sequence); seq_start [T] or
+    None. Block j of query t covers tokens [start + j*l, min(start + j*l + l, t + 1)), counted
+    with prefix sums: O(T * n) bookkeeping beside the kernel.
+    """
+    B, T, G = kv_bad.shape
+    counts = torch.nn.functional.pad(torch.cumsum(kv_bad.to(torch.int32), dim=1), (0, 0, 1, 0))
+    t = torch.arange(T, device=kv_bad.device)
+    start = torch.zeros_like(t) if seq_start is None else seq_start.long()
+    lo = start[None, :, None, None] + block_idx.long() * block_size                # [B, T, G, n]
+    hi = torch.minimum(lo + block_size, t[None, :, None, None] + 1)
+    lo, hi = lo.clamp(0, T), hi.clamp(0, T)
+    hi = torch.maximum(hi, lo)
+
+    def count_at(idx):  # counts[b, idx[b, t, g, i], g]
+        flat = idx.permute(0, 2, 1, 3).reshape(B, G, -1)
+        got = torch.gather(counts.permute(0, 2, 1), 2, flat)
+        return got.reshape(B, G, T, -1).permute(0, 2, 1, 3)
+
+    n_bad = torch.where(block_idx >= 0, count_at(hi) - count_at(lo), 0)
+    return n_bad.sum(dim=-1) > 0
+
+
 def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               block_idx: torch.Tensor, block_size: int,
                               scale: Optional[float] = None, *,
@@ -517,6 +545,11 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (int32 after conversion). Query t attends the
     tokens <= t of its listed blocks. `cu_seqlens` (int [N + 1], B = 1) packs sequences: block
     indices are then local to each sequence. Returns [B, T, H, d_v] in q's dtype.
+
+    Non-finite inputs: the kernels load whole blocks, also the tokens past t, and multiply them
+    by a zero weight (`0 * NaN = NaN`). They therefore get the inputs with non-finite entries
+    zeroed, and the rows that attend such a token (or whose query holds one) become NaN
+    afterwards, with no gradient: a loss over the other rows gets the clean gradients.
     """
     _validate(q, k, v, block_idx, block_size, cu_seqlens)
     _check_launchable(q)
@@ -525,7 +558,15 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # gradients back.
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     block_idx = block_idx.to(torch.int32).contiguous()
-    return SelectedAttentionTriton.apply(q, k, v, block_idx, block_size, scale, cu_seqlens)
+    (q, q_bad), (k, k_bad), (v, v_bad) = _split_finite(q), _split_finite(k), _split_finite(v)
+    seq_start = None if cu_seqlens is None else _segments(q.shape[1], block_size, cu_seqlens,
+                                                          q.device)[0]
+    B, T, H, _ = q.shape
+    G = k.shape[2]
+    sees_bad = _rows_seeing_nonfinite(k_bad | v_bad, block_idx, block_size, seq_start)
+    bad = q_bad | sees_bad.repeat_interleave(H // G, dim=2)                        # [B, T, H]
+    o = SelectedAttentionTriton.apply(q, k, v, block_idx, block_size, scale, cu_seqlens)
+    return _poison(o, bad)
 
 
 def selected_attention_triton_with_lse(q, k, v, block_idx, block_size, scale=None, *,

@@ -23,6 +23,9 @@ TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be remo
 # dispatch point can fall through to it; a Mosaic GPU variant would add "mosaic_gpu" here.
 IMPLEMENTATIONS = ("triton", "xla")
 
+# Input dtypes of the kernels: their accumulators, softmax statistics and residuals are float32.
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
@@ -92,3 +95,12 @@ def check_tile_sizes(block_sizes) -> None:
 def check_implementation(implementation: str) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")
+
+
+def check_kernel_dtype(kernel: str, dtype) -> None:
+    """NotImplementedError (not ValueError) for a dtype outside `KERNEL_DTYPES`, e.g. float64: a
+    dispatch fallback list then moves on to a backend that takes it (XLA computes float64)."""
+    if jnp.dtype(dtype) not in KERNEL_DTYPES:
+        raise NotImplementedError(
+            f"the Pallas {kernel} kernel takes {', '.join(map(str, KERNEL_DTYPES))} inputs "
+            f"(float32 accumulators), got {jnp.dtype(dtype)}")

@@ -33,6 +33,7 @@ from pallas_kernels._common import (
     LN_2,
     LOG2_E,
     MATMUL_MIN,
+    check_kernel_dtype,
     check_tile_sizes,
     matmul_dim,
     next_pow2,
@@ -500,12 +501,12 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     # Grid axis 0 enumerates (batch, part): Triton grids have three axes.
     seq_spec = lambda dim_pad: pl.BlockSpec(
         (None, T_pad, None, tiling.h_pad) + ((dim_pad,) if dim_pad else ()),
-        lambda bp, j, g: (lax.div(bp, n_parts), 0, g, 0) + ((0,) if dim_pad else ()))
+        lambda bp, j, g: (lax.div(bp, jnp.int32(n_parts)), 0, g, 0) + ((0,) if dim_pad else ()))
     kv_tile_spec = lambda dim_pad: pl.BlockSpec(
-        (None, block_kv_dkv, None, dim_pad), lambda bp, j, g: (lax.div(bp, n_parts), j, g, 0))
+        (None, block_kv_dkv, None, dim_pad), lambda bp, j, g: (lax.div(bp, jnp.int32(n_parts)), j, g, 0))
     partial_spec = lambda dim_pad: pl.BlockSpec(
         (None, None, block_kv_dkv, None, dim_pad),
-        lambda bp, j, g: (lax.rem(bp, n_parts), lax.div(bp, n_parts), j, g, 0))
+        lambda bp, j, g: (lax.rem(bp, jnp.int32(n_parts)), lax.div(bp, jnp.int32(n_parts)), j, g, 0))
     dk_parts, dv_parts = pl.pallas_call(
         functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=n_q_tiles,
                           q_tiles_per_part=q_tiles_per_part, n_parts=n_parts,
@@ -604,10 +605,11 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
     """
     scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
                          scale=scale)
+    check_kernel_dtype("compressed_attention", q.dtype)
     block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
-    if k_cmp.shape[1] == 0:
-        # No compressed block exists yet (T < l): nothing to launch. o does not depend on the
+    if k_cmp.shape[1] == 0 or B == 0:
+        # No compressed block exists yet (or no sequence: no grid to launch) (T < l): nothing to launch. o does not depend on the
         # inputs, so every gradient is exactly zero.
         o = jnp.zeros((B, T, H, v_cmp.shape[3]), q.dtype)
         return o, jnp.full((B, T, H), -jnp.inf, jnp.float32)
@@ -638,9 +640,10 @@ def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional
     values or output (half its work). For `select_blocks` when no compressed forward ran.
     No gradient."""
     scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    check_kernel_dtype("compressed_attention", q.dtype)
     block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
-    if k_cmp.shape[1] == 0:
+    if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)
     if not interpret:
         silence_triton_deprecation()

@@ -42,6 +42,7 @@ from nsa_common import NSAConfig, overlap_weights
 from pallas_kernels._common import (
     LOG2_E,
     MATMUL_MIN,
+    check_kernel_dtype,
     check_tile_sizes,
     matmul_dim,
     next_pow2,
@@ -501,6 +502,9 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
     _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                       n_sel=n_sel, n_init=n_init, n_local=n_local)
     _check_lse(lse, q)
+    check_kernel_dtype("select_blocks", q.dtype)
+    if q.shape[0] == 0:  # no sequence: no grid to launch
+        return jnp.full((0, q.shape[1], k_cmp.shape[2], n_sel), -1, jnp.int32)
     block_sizes = BlockSizes() if block_sizes is None else block_sizes
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a select_blocks.BlockSizes, got "

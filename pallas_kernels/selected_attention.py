@@ -38,6 +38,7 @@ from pallas_kernels._common import (
     LOG2_E,
     LN_2,
     check_implementation,
+    check_kernel_dtype,
     matmul_dim,
     next_pow2,
     pad_axis,
@@ -236,7 +237,9 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     queries_per_step = rows // h
     # Row r of a step is (query slot r // h, head g*h + r % h); rows past h*queries_per_step idle.
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
-    slot, head = lax.div(r, h), lax.rem(r, h)
+    # int32 divisors: lax.div / lax.rem want one dtype, and under jax_enable_x64 a Python int
+    # operand would be int64.
+    slot, head = lax.div(r, jnp.int32(h)), lax.rem(r, jnp.int32(h))
     key_pos = start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
     key_in_block = lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < l_sel
 
@@ -259,7 +262,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
         dk = dk + _dot(ds.astype(q.dtype), q)                      # [tile, dk_pad]
         return dk, dv
 
-    n_steps = lax.div(hi - lo + queries_per_step - 1, queries_per_step)
+    n_steps = lax.div(hi - lo + queries_per_step - 1, jnp.int32(queries_per_step))
     dk, dv = lax.fori_loop(0, n_steps, step, (jnp.zeros(dk_ref.shape, jnp.float32),
                                               jnp.zeros(dv_ref.shape, jnp.float32)))
     dk_ref[...] = dk * scale
@@ -527,6 +530,8 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       implementation: "triton" (Pallas Triton lowering) or "xla" (the reference).
 
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
+
     Returns:
       o: `[B, T, H, d_v]` in q's dtype. Differentiable in q, k, v.
     """
@@ -535,6 +540,9 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     if implementation == "xla":
         return selected_attention_reference(q, k, v, block_idx, block_size, scale)
+    check_kernel_dtype("selected_attention", q.dtype)
+    if geo.B == 0:  # an empty batch: no grid to launch (its blocks would be out of bounds)
+        return jnp.zeros((0, geo.T, geo.H, geo.d_v), q.dtype)
     return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
                                interpret, debug)
 

@@ -56,7 +56,8 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
         del chunk_start
         p, lse = cmp_probabilities(q_c, k_cmp, pos_c, seg_c, cmp_last, cmp_seg, scale)
         o = einsum("bqghc,bcgd->bqghd", p, v_cmp, dtype)
-        return merge_heads(o).astype(q.dtype), lse.reshape(lse.shape[:2] + (-1,))
+        # Explicit sizes, no -1: a reshape cannot infer it from 0 elements (B = 0).
+        return merge_heads(o).astype(q.dtype), lse.reshape(lse.shape[:2] + (q.shape[2],))
 
     pos = jnp.broadcast_to(segments.pos, (B, T))
     seg = jnp.broadcast_to(segments.seg, (B, T))
