@@ -585,7 +585,7 @@ PRESETS = {
     # The test suite's smoke: seconds.
     "smoke": dict(T=128, batch=8, steps=6, eval_every=3, lr=1e-2, warmup=1,
                   d_model=32, n_layers=1, heads=2, kv_heads=1, head_dim=8, cmp_block=8,
-                  cmp_stride=4, sel_block=16, n_sel=3, window=16, budget_s=120.0,
+                  cmp_stride=4, sel_block=16, n_sel=4, window=16, budget_s=120.0,
                   backend="xla", decode_backend="xla"),
 }
 
