@@ -250,6 +250,11 @@ def mlp(p: dict, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x @ p["w1"]) @ p["w2"]
 
 
+def _block_mlp(blk: dict, h: jax.Array) -> jax.Array:
+    """The residual MLP half of a block."""
+    return h + mlp(blk["mlp"], rms_norm(h, blk["norm2"]))
+
+
 def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = False):
     """tokens int `[B, T]` -> final hidden states `[B, T, D]`, and with `collect` (NSA) a list
     per layer of (layer input after the norm, the layer's aux dict)."""
@@ -263,8 +268,7 @@ def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = Fa
             layers.append((a, aux))
         else:
             y = dense_attention(blk["attn"], a, mc)
-        h = h + y
-        h = h + mlp(blk["mlp"], rms_norm(h, blk["norm2"]))
+        h = _block_mlp(blk, h + y)
     h = rms_norm(h, params["norm_f"])
     return (h, layers) if collect else h
 
@@ -381,29 +385,41 @@ def selection_chance(task: Task, T: int, cfg: NSAConfig) -> float:
 forward_jit = jax.jit(forward, static_argnames=("mc", "collect"))
 
 
+@functools.partial(jax.jit, static_argnames=("mc",))
+def _prefill_model(params, prompt, caches, *, mc: ModelConfig):
+    """Every layer's `nsa_jax.prefill` over prompt `[B, P]` -> (last logits `[B, V]`, caches)."""
+    h, caches = params["embed"][prompt], list(caches)
+    for i, blk in enumerate(params["blocks"]):
+        y, caches[i] = nsa_jax.prefill(blk["attn"], rms_norm(h, blk["norm1"]), mc.nsa,
+                                       caches[i], backend=mc.backend)
+        h = _block_mlp(blk, h + y)
+    return logits_at(params, rms_norm(h[:, -1], params["norm_f"])), caches
+
+
+@functools.partial(jax.jit, static_argnames=("mc", "decode_backend"))
+def _decode_model(params, token, caches, *, mc: ModelConfig, decode_backend: str):
+    """Every layer's `nsa_jax.decode_step` for token `[B, 1]` -> (logits `[B, V]`, caches)."""
+    h, caches = params["embed"][token], list(caches)
+    for i, blk in enumerate(params["blocks"]):
+        y, caches[i], _ = nsa_jax.decode_step(blk["attn"], rms_norm(h, blk["norm1"]), mc.nsa,
+                                              caches[i], backend=decode_backend)
+        h = _block_mlp(blk, h + y)
+    return logits_at(params, rms_norm(h[:, -1], params["norm_f"])), caches
+
+
 def generate(params: dict, prompt: jax.Array, n_new: int, mc: ModelConfig,
              decode_backend: str) -> tuple[jax.Array, jax.Array]:
     """Greedy: prefill `prompt [B, P]` into one cache per layer, then `decode_step` per token.
     -> (tokens int32 `[B, n_new]`, the logits that chose them `[B, n_new, V]`)."""
-    cfg = mc.nsa
     B, P = prompt.shape
-    caches = [nsa_jax.init_cache(cfg, B, P + n_new) for _ in params["blocks"]]
-    x, chosen, chosen_logits = prompt, [], []
+    caches = [nsa_jax.init_cache(mc.nsa, B, P + n_new) for _ in params["blocks"]]
+    logits, caches = _prefill_model(params, prompt, caches, mc=mc)
+    chosen, chosen_logits = [], []
     for step in range(n_new):
-        h = params["embed"][x]
-        for i, blk in enumerate(params["blocks"]):
-            a = rms_norm(h, blk["norm1"])
-            if step == 0:
-                y, caches[i] = nsa_jax.prefill(blk["attn"], a, cfg, caches[i],
-                                               backend=mc.backend)
-            else:
-                y, caches[i], _ = nsa_jax.decode_step(blk["attn"], a, cfg, caches[i],
-                                                      backend=decode_backend)
-            h = h + y
-            h = h + mlp(blk["mlp"], rms_norm(h, blk["norm2"]))
-        logits = logits_at(params, rms_norm(h[:, -1], params["norm_f"]))
-        x = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-        chosen.append(x[:, 0])
+        if step:
+            logits, caches = _decode_model(params, chosen[-1][:, None], caches, mc=mc,
+                                           decode_backend=decode_backend)
+        chosen.append(jnp.argmax(logits, -1).astype(jnp.int32))
         chosen_logits.append(logits)
     return jnp.stack(chosen, 1), jnp.stack(chosen_logits, 1)
 
