@@ -589,7 +589,7 @@ def plot(path: str, curves: dict, tasks: list) -> None:
 # ---------------------------------------------------------------------------------------------
 PRESETS = {
     # GPU: T 2048, the model (d_model 256, H 8, G 2, d 32) with the paper's block ratios.
-    "gpu": dict(T=2048, batch=16, steps=1500, eval_every=100, lr=1e-3, warmup=100,
+    "gpu": dict(T=2048, batch=16, steps=1000, eval_every=100, lr=2e-3, warmup=100,
                 d_model=256, n_layers=2, heads=8, kv_heads=2, head_dim=32, cmp_block=32,
                 cmp_stride=16, sel_block=64, n_sel=8, window=128, budget_s=300.0,
                 backend="pallas,xla", decode_backend="pallas"),
