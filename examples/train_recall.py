@@ -548,7 +548,9 @@ def equal_budget_columns(curves: dict, summaries: list) -> None:
         s["acc_at_full_steps"] = at_steps[-1]["eval_acc"] if at_steps else None
 
 
-def plot(path: str, curves: dict, tasks: list) -> None:
+def plot(path: str, curves: dict, tasks: list, top_layer: int) -> None:
+    """One row of panels per task: accuracy against steps and training time, the last NSA
+    layer's selection hit rate and sel gate against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -556,24 +558,16 @@ def plot(path: str, curves: dict, tasks: list) -> None:
 
     panels = (("step", "eval_acc", "accuracy vs steps"),
               ("train_s", "eval_acc", "accuracy vs training time (s)"),
-              ("step", "hit", "selection hit rate (last layer)"),
-              ("step", "gate_sel", "sel gate at queries (last layer)"))
+              ("step", f"l{top_layer}_hit", "selection hit rate (last layer)"),
+              ("step", f"l{top_layer}_gate_sel", "sel gate at queries (last layer)"))
     fig, axes = plt.subplots(len(tasks), len(panels), figsize=(4.6 * len(panels), 3.6 * len(tasks)),
                              squeeze=False)
     for row, task in zip(axes, tasks):
         for ax, (x, y, title) in zip(row, panels):
             for (name, label), points in sorted(curves.items()):
-                if name != task or not points:
-                    continue
-                key = y
-                if y in ("hit", "gate_sel"):
-                    layer = max(int(k[1:].split("_")[0]) for k in points[0] if k.startswith("l")
-                                and k.endswith("_hit")) if any(
-                        k.endswith("_hit") for k in points[0]) else None
-                    if layer is None:
-                        continue
-                    key = f"l{layer}_{y}"
-                ax.plot([p[x] for p in points], [p[key] for p in points], marker=".", label=label)
+                if name == task and y in points[0]:
+                    ax.plot([p[x] for p in points], [p[y] for p in points], marker=".",
+                            label=label)
             ax.set_title(f"{task}: {title}", fontsize=9)
             ax.set_xlabel(x)
             ax.grid(alpha=0.3)
@@ -704,7 +698,8 @@ def write_outputs(args, runs, curves, summaries, log_lines, total_s) -> None:
         for s in summaries:
             f.write("| " + " | ".join(common._cell(s.get(c)) for c in shown) + " |\n")
         f.write(f"\nchance accuracy 1/{args.n_values} = {1 / args.n_values:.3f}\n")
-    plot(os.path.join(args.out, "curves.png"), curves, sorted({r.task.name for r in runs}))
+    plot(os.path.join(args.out, "curves.png"), curves, sorted({r.task.name for r in runs}),
+         args.n_layers - 1)
     common.write_environment(os.path.join(args.out, "stats.json"), dict(
         args=vars(args), total_s=total_s, summaries=summaries,
         runs=[dict(task=r.task.name, model=r.label, variant=dataclasses.asdict(r.variant),
