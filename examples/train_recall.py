@@ -157,7 +157,7 @@ class Variant:
     gate_bias: tuple = (0.0, 0.0, 0.0)  # bg of every head, per branch (cmp, sel, win)
     cmp_init_scale: float = 1.0  # multiplies cmp_k / cmp_v w1 and w2 at init
     cmp_lr_mult: float = 1.0  # learning-rate multiplier of wk/wv["cmp"] and cmp_k / cmp_v
-    n_sel: Optional[int] = None
+    n_sel_mult: int = 1  # n_sel = n_sel_mult x the base n_sel
     compress: Optional[str] = None  # "mean": parameter-free compression (as fla's NSA)
 
 
@@ -170,16 +170,16 @@ VARIANTS = {
     # Random compression MLP scrambles the scores? Mean pooling keeps a block's key direction.
     "mean_cmp": Variant("mean_cmp", compress="mean"),
     # Near-random selection early on: more blocks make a hit likelier (2x the base n_sel).
-    "nsel_x2": Variant("nsel_x2", n_sel=-2),
+    "nsel_x2": Variant("nsel_x2", n_sel_mult=2),
+    # A compression MLP near zero at init: compressed keys start from the biases and pos only.
     "small_cmp_init": Variant("small_cmp_init", cmp_init_scale=0.1),
+    # The two fixes that need no new learning rate, together.
     "mean_sel_gate": Variant("mean_sel_gate", compress="mean", gate_bias=(0.0, 2.0, 0.0)),
 }
 
 
 def variant_cfg(cfg: NSAConfig, variant: Variant) -> NSAConfig:
-    changes: dict[str, Any] = {}
-    if variant.n_sel is not None:
-        changes["n_sel"] = cfg.n_sel * -variant.n_sel if variant.n_sel < 0 else variant.n_sel
+    changes: dict[str, Any] = {"n_sel": cfg.n_sel * variant.n_sel_mult}
     if variant.compress is not None:
         changes["compress"] = variant.compress
     return cfg.replace(**changes)

@@ -98,3 +98,10 @@ def test_smoke_run_learns_and_decodes(tmp_path):
     assert summary["gen_logit_err"] < RTOL
     with open(tmp_path / "stats.json") as f:
         assert json.load(f)["summaries"][0]["model"] == "nsa:default"
+
+
+def test_variants_change_the_nsa_config():
+    cfg = NSAConfig.tiny()
+    assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["default"]) == cfg
+    assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["nsel_x2"]).n_sel == 2 * cfg.n_sel
+    assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["mean_cmp"]).compress == "mean"
