@@ -499,13 +499,16 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
                              eval_loss=stats.pop("loss"), eval_acc=stats.pop("acc"), **stats))
             log(f"  {task.name:6s} {run.label:18s} step {step + 1:5d}  loss {train_loss:.3f}  "
                 f"acc {rows[-1]['eval_acc']:.3f}  " + "  ".join(
-                    f"{k} {v:.2f}" for k, v in stats.items() if k.startswith(f"l{mc.n_layers - 1}")))
+                    f"{k} {v:.2f}" for k, v in stats.items() if not k.endswith("_uniform")))
             t_mark = time.perf_counter()
             if not math.isfinite(train_loss) or last:
                 break
 
     final = rows[-1]
-    top = f"l{mc.n_layers - 1}"
+    # Retrieval may live in any layer (on CPU at T 128 it was layer 0): report the layer whose
+    # selection finds the key most often.
+    hit_layer = max(range(mc.n_layers), key=lambda i: final.get(f"l{i}_hit", 0.0))
+    top = f"l{hit_layer}"
     summary = dict(task=task.name, model=run.label, steps=final["step"],
                    final_acc=final["eval_acc"], best_acc=max(r["eval_acc"] for r in rows),
                    final_loss=final["eval_loss"], train_s=final["train_s"],
@@ -513,6 +516,7 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
                    compile_s=round(compile_s, 2), hit=final.get(f"{top}_hit"),
                    gate_sel=final.get(f"{top}_gate_sel"), cmp_mass=final.get(f"{top}_cmp_mass"))
     if mc.attention == "nsa":
+        summary["hit_layer"] = hit_layer
         summary["hit_chance"] = selection_chance(task, args.T, mc.nsa)
         if args.gen_tokens > 0:
             gen = check_generation(params, {k: v[:args.gen_batch] for k, v in eval_batch.items()},
@@ -531,8 +535,8 @@ def acc_at_wall(rows: list, wall_s: float) -> Optional[float]:
 
 SUMMARY_COLUMNS = ("task", "model", "steps", "final_acc", "best_acc", "acc_at_full_wall",
                    "acc_at_full_steps", "final_loss", "ms_per_step", "compile_s", "train_s",
-                   "hit", "hit_chance", "gate_sel", "cmp_mass", "gen_match", "gen_logit_err",
-                   "gen_acc")
+                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "gen_match",
+                   "gen_logit_err", "gen_acc")
 
 
 def equal_budget_columns(curves: dict, summaries: list) -> None:
@@ -548,26 +552,28 @@ def equal_budget_columns(curves: dict, summaries: list) -> None:
         s["acc_at_full_steps"] = at_steps[-1]["eval_acc"] if at_steps else None
 
 
-def plot(path: str, curves: dict, tasks: list, top_layer: int) -> None:
-    """One row of panels per task: accuracy against steps and training time, the last NSA
-    layer's selection hit rate and sel gate against steps."""
+def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
+    """One row of panels per task: accuracy against steps and training time, and per NSA layer
+    the selection hit rate and the sel gate against steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("step", "eval_acc", "accuracy vs steps"),
-              ("train_s", "eval_acc", "accuracy vs training time (s)"),
-              ("step", f"l{top_layer}_hit", "selection hit rate (last layer)"),
-              ("step", f"l{top_layer}_gate_sel", "sel gate at queries (last layer)"))
+    panels = (("step", ("eval_acc",), "accuracy vs steps"),
+              ("train_s", ("eval_acc",), "accuracy vs training time (s)"),
+              ("step", tuple(f"l{i}_hit" for i in range(n_layers)), "selection hit rate"),
+              ("step", tuple(f"l{i}_gate_sel" for i in range(n_layers)), "sel gate at queries"))
     fig, axes = plt.subplots(len(tasks), len(panels), figsize=(4.6 * len(panels), 3.6 * len(tasks)),
                              squeeze=False)
     for row, task in zip(axes, tasks):
-        for ax, (x, y, title) in zip(row, panels):
+        for ax, (x, ys, title) in zip(row, panels):
             for (name, label), points in sorted(curves.items()):
-                if name == task and y in points[0]:
-                    ax.plot([p[x] for p in points], [p[y] for p in points], marker=".",
-                            label=label)
+                for y in ys:
+                    if name == task and y in points[0]:
+                        suffix = f" {y.split('_')[0]}" if len(ys) > 1 else ""
+                        ax.plot([p[x] for p in points], [p[y] for p in points], marker=".",
+                                label=label + suffix)
             ax.set_title(f"{task}: {title}", fontsize=9)
             ax.set_xlabel(x)
             ax.grid(alpha=0.3)
@@ -699,7 +705,7 @@ def write_outputs(args, runs, curves, summaries, log_lines, total_s) -> None:
             f.write("| " + " | ".join(common._cell(s.get(c)) for c in shown) + " |\n")
         f.write(f"\nchance accuracy 1/{args.n_values} = {1 / args.n_values:.3f}\n")
     plot(os.path.join(args.out, "curves.png"), curves, sorted({r.task.name for r in runs}),
-         args.n_layers - 1)
+         args.n_layers)
     common.write_environment(os.path.join(args.out, "stats.json"), dict(
         args=vars(args), total_s=total_s, summaries=summaries,
         runs=[dict(task=r.task.name, model=r.label, variant=dataclasses.asdict(r.variant),
