@@ -14,6 +14,8 @@
 #   pytest_gpu  python -m pytest -m gpu tests (the GPU test matrix) -> pytest_gpu.xml
 #   prefill     bench/bench_prefill.py at a short S list -> bench/prefill.{csv,png}
 #   decode      bench/bench_decode.py at a short S list -> bench/decode.{csv,png}
+#   showcase    examples/train_recall.py at a reduced size (T 1024, its own time budget) ->
+#               showcase/{results.md,curves.csv,summary.csv,curves.png,stats.json}
 #   summaries   the benches' tables -> bench/*_summary.txt
 # then summary.txt / summary.json (one line per step: status, exit code, seconds).
 #
@@ -35,6 +37,7 @@
 #   PYTHON          interpreter (default python3)
 #   PREFILL_S, PREFILL_ROWS, PREFILL_ITERS, PREFILL_ARGS   bench_prefill settings
 #   DECODE_S, DECODE_B, DECODE_ITERS, DECODE_ARGS          bench_decode settings
+#   SHOWCASE_BUDGET_S, SHOWCASE_ARGS                       train_recall's budget and arguments
 #   PYTEST_ARGS     extra pytest arguments
 set -u
 cd "$(dirname "$0")/.."
@@ -61,7 +64,8 @@ PREFILL_ITERS=${PREFILL_ITERS:-5}
 DECODE_S=${DECODE_S:-16k}
 DECODE_B=${DECODE_B:-32}
 DECODE_ITERS=${DECODE_ITERS:-20}
-STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,prefill,decode,summaries}
+SHOWCASE_BUDGET_S=${SHOWCASE_BUDGET_S:-100}
+STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,prefill,decode,showcase,summaries}
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -158,6 +162,19 @@ run_step decode 100 "$PY" bench/bench_decode.py --S_list "$DECODE_S" --B "$DECOD
   --iters "$DECODE_ITERS" --warmup 2 --repeats 3 --no_progress --csv "$ART/bench/decode.csv" \
   ${DECODE_ARGS:-}
 
+# The training showcase: full / window / NSA on needle and MQAR at T 1024. The script shares its
+# own budget among its runs (compiles included); that budget shrinks to what the runner has left
+# (less 75 s for the last run's decode check, the outputs and the summaries), so the step's limit
+# is only a backstop. With the default RUNNER_BUDGET_S the earlier steps may leave it little:
+# RUNNER_STEPS=env,showcase,summaries runs it alone.
+showcase_budget=$((BUDGET - ($(date +%s) - START) - 75))
+[ "$showcase_budget" -gt "$SHOWCASE_BUDGET_S" ] && showcase_budget=$SHOWCASE_BUDGET_S
+[ "$showcase_budget" -lt 30 ] && showcase_budget=30
+# shellcheck disable=SC2086
+run_step showcase $((showcase_budget + 60)) "$PY" examples/train_recall.py --T 1024 \
+  --steps 400 --eval_every 50 --budget_s "$showcase_budget" --out "$ART/showcase" \
+  ${SHOWCASE_ARGS:-}
+
 make_summaries() {
   [ -f "$ART/bench/prefill_summary.txt" ] && cat "$ART/bench/prefill_summary.txt"
   echo
@@ -191,7 +208,8 @@ rm -f "$SUMMARY_TSV"
 
 echo
 cat "$ART/summary.txt"
-for table in "$ART/bench/prefill_summary.txt" "$ART/bench/decode_table.txt"; do
+for table in "$ART/bench/prefill_summary.txt" "$ART/bench/decode_table.txt" \
+  "$ART/showcase/results.md"; do
   [ -f "$table" ] && { echo; cat "$table"; }
 done
 

@@ -1,0 +1,1 @@
+"""Runnable examples (scripts; importable for the tests)."""

@@ -1,0 +1,718 @@
+"""Train a small decoder LM with NSA on long-range recall, against full and window attention.
+
+    PYTHONPATH=. python examples/train_recall.py --out /tmp/recall            # GPU, ~5 minutes
+    PYTHONPATH=. python examples/train_recall.py --preset cpu --out /tmp/r    # CPU, T 256
+
+Tasks (synthetic, every queried key lies beyond the sliding window and beyond NSA's forced
+blocks, so neither the window branch nor the forced selection can see it):
+- needle: one key/value pair hidden in random filler; the key is repeated at the end, the model
+  must emit the value.
+- mqar: multi-query associative recall; `--mqar_pairs` key/value pairs in the filler, all queried
+  at the end in random order as `k v k v ...` (loss on each value).
+
+Models: the same pre-norm decoder (embeddings, [RMSNorm, attention, RMSNorm, GELU MLP] x
+n_layers, RMSNorm, head) with `attention` = "nsa" (`nsa_jax.nsa_attention`), "full" (causal
+`jax.nn.dot_product_attention`) or "window" (the same with NSA's window). NSA runs as several
+`--variants` (gate bias, compression init / learning rate, n_sel, mean compression) that test
+why a small NSA model may fail to learn recall: the selection ranks blocks by compressed-attention
+scores, which get gradient only through the compressed branch (selection is not differentiable),
+so the selected blocks start out near random; and the gates may drown the selected branch.
+
+Instrumentation (at each evaluation, on the query positions of a fixed eval set, per NSA layer):
+mean gate per branch, selection hit rate (the query's selected blocks contain the queried key's
+block), and the compressed attention's probability mass on the blocks covering the key. At the
+end, greedy generation through the decode cache (`prefill` + `decode_step`) is checked against
+the model's own teacher-forced predictions.
+
+Writes into `--out`: curves.csv (one row per evaluation), summary.csv, results.md (the table),
+stats.json (configuration, environment, per-run results) and curves.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import nsa_jax
+from nsa_jax import NSAConfig
+
+BRANCHES = ("cmp", "sel", "win")
+ATTENTIONS = ("full", "window", "nsa")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Token ranges: filler [0, n_filler), keys, then values."""
+
+    n_filler: int = 64
+    n_keys: int = 64
+    n_values: int = 64
+
+    @property
+    def size(self) -> int:
+        return self.n_filler + self.n_keys + self.n_values
+
+    @property
+    def first_key(self) -> int:
+        return self.n_filler
+
+    @property
+    def first_value(self) -> int:
+        return self.n_filler + self.n_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    name: str
+    n_pairs: int
+    n_queries: int
+
+    @property
+    def tail(self) -> int:
+        """Tokens of the query segment `k v k v ...` at the end of the sequence."""
+        return 2 * self.n_queries
+
+
+def make_tasks(mqar_pairs: int) -> dict[str, Task]:
+    return {"needle": Task("needle", 1, 1), "mqar": Task("mqar", mqar_pairs, mqar_pairs)}
+
+
+def pair_region(task: Task, T: int, cfg: NSAConfig) -> tuple[int, int]:
+    """Positions `[lo, hi)` where key/value pairs may go.
+
+    lo skips NSA's forced initial blocks; hi keeps every pair more than `window` tokens before
+    the first query and outside the query's forced local blocks, so that only a correct
+    selection (or the compressed branch) can reach it.
+    """
+    first_query = T - task.tail
+    lo = cfg.n_init * cfg.sel_block
+    hi = min(first_query - cfg.window - 1,
+             (first_query // cfg.sel_block - cfg.n_local + 1) * cfg.sel_block)
+    if (hi - lo) // 2 < task.n_pairs:
+        raise ValueError(f"T = {T} leaves no room for {task.n_pairs} pairs beyond the window "
+                         f"({cfg.window}) and the forced blocks; raise T")
+    return lo, hi
+
+
+def make_batch(rng: np.random.Generator, task: Task, vocab: Vocab, B: int, T: int,
+               cfg: NSAConfig) -> dict[str, np.ndarray]:
+    """-> tokens int32 `[B, T]`, answers int32 `[B, n_queries]` (the value each query must
+    produce), key_pos int32 `[B, n_queries]` (where the queried key sits in the context)."""
+    if task.n_pairs > vocab.n_keys:
+        raise ValueError(f"{task.n_pairs} pairs need as many distinct keys (n_keys = "
+                         f"{vocab.n_keys})")
+    lo, hi = pair_region(task, T, cfg)
+    tokens = rng.integers(0, vocab.n_filler, (B, T))
+    rows = np.arange(B)[:, None]
+    slots = np.argsort(rng.random((B, (hi - lo) // 2)), axis=1)[:, :task.n_pairs]
+    key_pos = lo + 2 * slots                                                  # [B, P]
+    keys = vocab.first_key + np.argsort(rng.random((B, vocab.n_keys)), axis=1)[:, :task.n_pairs]
+    values = vocab.first_value + rng.integers(0, vocab.n_values, (B, task.n_pairs))
+    tokens[rows, key_pos] = keys
+    tokens[rows, key_pos + 1] = values
+    asked = np.argsort(rng.random((B, task.n_pairs)), axis=1)[:, :task.n_queries]
+    first_query = T - task.tail
+    tokens[:, first_query::2] = keys[rows, asked]
+    tokens[:, first_query + 1::2] = values[rows, asked]
+    return dict(tokens=tokens.astype(np.int32), answers=values[rows, asked].astype(np.int32),
+                key_pos=key_pos[rows, asked].astype(np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hashable (a `jax.jit` static argument). `nsa` also gives the head sizes, RoPE and the
+    window of the "full" and "window" models."""
+
+    attention: str
+    nsa: NSAConfig
+    vocab_size: int
+    n_layers: int = 2
+    mlp_ratio: int = 4
+    backend: tuple = ("xla",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """NSA settings under test. Defaults are the library's (`bg` 0, so every gate starts at 0.5;
+    compression MLP `normal(0, 1/sqrt(fan_in))`)."""
+
+    name: str = "default"
+    gate_bias: tuple = (0.0, 0.0, 0.0)  # bg of every head, per branch (cmp, sel, win)
+    cmp_init_scale: float = 1.0  # multiplies cmp_k / cmp_v w1 and w2 at init
+    cmp_lr_mult: float = 1.0  # learning-rate multiplier of wk/wv["cmp"] and cmp_k / cmp_v
+    n_sel_mult: int = 1  # n_sel = n_sel_mult x the base n_sel
+    compress: Optional[str] = None  # "mean": parameter-free compression (as fla's NSA)
+
+
+VARIANTS = {
+    "default": Variant(),
+    # Gates drown the selected branch? Start with sel at sigmoid(2) = 0.88, the others at 0.5.
+    "sel_gate": Variant("sel_gate", gate_bias=(0.0, 2.0, 0.0)),
+    # The ranking learns too slowly? Compression path at 10x the learning rate.
+    "cmp_lr10": Variant("cmp_lr10", cmp_lr_mult=10.0),
+    # Random compression MLP scrambles the scores? Mean pooling keeps a block's key direction.
+    "mean_cmp": Variant("mean_cmp", compress="mean"),
+    # Near-random selection early on: more blocks make a hit likelier (2x the base n_sel).
+    "nsel_x2": Variant("nsel_x2", n_sel_mult=2),
+    # A compression MLP near zero at init: compressed keys start from the biases and pos only.
+    "small_cmp_init": Variant("small_cmp_init", cmp_init_scale=0.1),
+    # The two fixes that need no new learning rate, together.
+    "mean_sel_gate": Variant("mean_sel_gate", compress="mean", gate_bias=(0.0, 2.0, 0.0)),
+}
+
+
+def variant_cfg(cfg: NSAConfig, variant: Variant) -> NSAConfig:
+    changes: dict[str, Any] = {"n_sel": cfg.n_sel * variant.n_sel_mult}
+    if variant.compress is not None:
+        changes["compress"] = variant.compress
+    return cfg.replace(**changes)
+
+
+def _normal(key, shape, std):
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def init_model(key: jax.Array, mc: ModelConfig, variant: Variant = Variant()) -> dict:
+    cfg, D = mc.nsa, mc.nsa.d_model
+    H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    keys = iter(jax.random.split(key, 4 + 8 * mc.n_layers))
+    blocks = []
+    for _ in range(mc.n_layers):
+        if mc.attention == "nsa":
+            attn = nsa_jax.init_params(next(keys), cfg)
+            attn["bg"] = jnp.tile(jnp.asarray(variant.gate_bias, jnp.float32), H)  # [H*3]
+            if cfg.compress == "mlp":
+                for name in ("cmp_k", "cmp_v"):
+                    for w in ("w1", "w2"):
+                        attn[name][w] = attn[name][w] * variant.cmp_init_scale
+        else:
+            attn = {"wq": _normal(next(keys), (D, H * dk), D ** -0.5),
+                    "wk": _normal(next(keys), (D, G * dk), D ** -0.5),
+                    "wv": _normal(next(keys), (D, G * dv), D ** -0.5),
+                    "wo": _normal(next(keys), (H * dv, D), (H * dv) ** -0.5)}
+        blocks.append({
+            "norm1": jnp.ones((D,)), "attn": attn, "norm2": jnp.ones((D,)),
+            "mlp": {"w1": _normal(next(keys), (D, mc.mlp_ratio * D), D ** -0.5),
+                    "w2": _normal(next(keys), (mc.mlp_ratio * D, D), (mc.mlp_ratio * D) ** -0.5)},
+        })
+    return {"embed": _normal(next(keys), (mc.vocab_size, D), 1.0), "blocks": blocks,
+            "norm_f": jnp.ones((D,)), "head": _normal(next(keys), (D, mc.vocab_size), D ** -0.5)}
+
+
+def lr_multipliers(params: dict, variant: Variant) -> dict:
+    """A pytree like params: `variant.cmp_lr_mult` on the compression path, 1 elsewhere."""
+    def mult(path, leaf):
+        names = [getattr(p, "key", None) for p in path]
+        cmp_path = ("cmp_k" in names or "cmp_v" in names
+                    or (names[-1] == "cmp" and ("wk" in names or "wv" in names)))
+        return jnp.full((), variant.cmp_lr_mult if cmp_path else 1.0, jnp.float32)
+    return jax.tree_util.tree_map_with_path(mult, params)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def dense_attention(attn: dict, x: jax.Array, mc: ModelConfig) -> jax.Array:
+    """The "full" / "window" baselines: x `[B, T, D]` -> `[B, T, D]`, RoPE as in NSA."""
+    cfg = mc.nsa
+    B, T, _ = x.shape
+    positions = jnp.arange(T, dtype=jnp.int32)
+    q = nsa_jax.apply_rope((x @ attn["wq"]).reshape(B, T, cfg.n_heads, cfg.d_k), positions,
+                           cfg.rope_theta)
+    k = nsa_jax.apply_rope((x @ attn["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.d_k), positions,
+                           cfg.rope_theta)
+    v = (x @ attn["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.d_v)
+    # (w - 1, 0): query t sees keys t-w+1 .. t, NSA's window branch exactly.
+    window = (cfg.window - 1, 0) if mc.attention == "window" else None
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+    return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ attn["wo"]
+
+
+def mlp(p: dict, x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+def _block_mlp(blk: dict, h: jax.Array) -> jax.Array:
+    """The residual MLP half of a block."""
+    return h + mlp(blk["mlp"], rms_norm(h, blk["norm2"]))
+
+
+def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = False):
+    """tokens int `[B, T]` -> final hidden states `[B, T, D]`, and with `collect` (NSA) a list
+    per layer of (layer input after the norm, the layer's aux dict)."""
+    h = params["embed"][tokens]
+    layers = []
+    for blk in params["blocks"]:
+        a = rms_norm(h, blk["norm1"])
+        if mc.attention == "nsa":
+            y, aux = nsa_jax.nsa_attention(blk["attn"], a, mc.nsa, backend=mc.backend,
+                                           return_aux=True)
+            layers.append((a, aux))
+        else:
+            y = dense_attention(blk["attn"], a, mc)
+        h = _block_mlp(blk, h + y)
+    h = rms_norm(h, params["norm_f"])
+    return (h, layers) if collect else h
+
+
+def logits_at(params: dict, h: jax.Array) -> jax.Array:
+    return h @ params["head"]
+
+
+def query_logits(params, tokens, mc: ModelConfig, task: Task) -> jax.Array:
+    """Logits `[B, n_queries, V]` at the query keys of the tail (they predict the values)."""
+    h = forward(params, tokens, mc)
+    return logits_at(params, h[:, tokens.shape[1] - task.tail::2])
+
+
+def loss_and_accuracy(params, tokens, answers, mc: ModelConfig, task: Task):
+    logits = query_logits(params, tokens, mc, task).astype(jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), answers[..., None], axis=-1)
+    return nll.mean(), (jnp.argmax(logits, -1) == answers).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+# Adam without its learning rate: the rate (schedule value x per-leaf multiplier) is applied in
+# the step as a traced input, so runs that differ only in rates share one compiled step.
+OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(b1=0.9, b2=0.98))
+
+
+def learning_rate(step: int, lr: float, warmup: int, steps: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of lr."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+@functools.partial(jax.jit, static_argnames=("mc", "task"))
+def train_step(params, opt_state, tokens, answers, lr, mults, *, mc: ModelConfig, task: Task):
+    (loss, acc), grads = jax.value_and_grad(loss_and_accuracy, has_aux=True)(
+        params, tokens, answers, mc, task)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    params = jax.tree_util.tree_map(lambda p, u, m: p - lr * m * u, params, updates, mults)
+    return params, opt_state, loss, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# Instrumentation
+# ---------------------------------------------------------------------------------------------
+def compressed_mass(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Array,
+                    cfg: NSAConfig) -> tuple[jax.Array, jax.Array]:
+    """Probability mass the compressed branch puts on the blocks covering each queried key.
+
+    a `[B, T, D]` (the layer's normed input), q_pos `[Q]` (static), key_pos `[B, Q]`.
+    -> (mean mass, mean mass a uniform distribution over the admissible blocks would give).
+    The projections repeat the layer's (DESIGN.md parameter layout, RoPE'd keys compressed
+    by the public `compress_kv`) for the Q query rows only: the layer returns no p_cmp.
+    """
+    B, T, _ = a.shape
+    H, G, dk = cfg.n_heads, cfg.n_kv_heads, cfg.d_k
+    kv = "shared" if cfg.shared_kv else "cmp"
+    k = (a @ attn["wk"][kv]).reshape(B, T, G, dk)
+    q = (a[:, q_pos] @ attn["wq"]).reshape(B, len(q_pos), H, dk)
+    if cfg.rope_theta is not None:
+        k = nsa_jax.apply_rope(k, jnp.arange(T, dtype=jnp.int32), cfg.rope_theta)
+        q = nsa_jax.apply_rope(q, jnp.asarray(q_pos, jnp.int32), cfg.rope_theta)
+    k_cmp = nsa_jax.compress_kv(k, attn["cmp_k"] if cfg.compress == "mlp" else None, cfg)
+    scores = jnp.einsum("bqghd,bcgd->bqghc", q.reshape(B, len(q_pos), G, H // G, dk),
+                        k_cmp) * cfg.scale
+    start = np.arange(k_cmp.shape[1]) * cfg.cmp_stride
+    admissible = jnp.asarray(start[None, :] + cfg.cmp_block - 1 <= q_pos[:, None])  # [Q, C]
+    p = jax.nn.softmax(jnp.where(admissible[None, :, None, None], scores, -jnp.inf), axis=-1)
+    covers = ((start <= key_pos[..., None]) & (key_pos[..., None] < start + cfg.cmp_block)
+              & admissible[None])                                                 # [B, Q, C]
+    mass = (p * covers[:, :, None, None, :]).sum(-1).mean()
+    uniform = (covers.sum(-1) / admissible.sum(-1)[None]).mean()
+    return mass, uniform
+
+
+@functools.partial(jax.jit, static_argnames=("mc", "task"))
+def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -> dict:
+    """Loss and accuracy at the query keys, and per NSA layer i at those positions: `l{i}_gate_c`
+    (mean gate of branch c), `l{i}_hit` (fraction of (query, KV group) whose selected blocks
+    contain the queried key's block), `l{i}_cmp_mass` and its uniform baseline."""
+    T = tokens.shape[1]
+    q_pos = np.arange(T - task.tail, T, 2)
+    h, layers = forward(params, tokens, mc, collect=True)
+    logits = logits_at(params, h[:, q_pos]).astype(jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), answers[..., None], axis=-1)
+    out = {"loss": nll.mean(), "acc": (jnp.argmax(logits, -1) == answers).mean()}
+    cfg = mc.nsa
+    for i, (a, aux) in enumerate(layers):
+        gates = aux["gates"][:, q_pos]                                      # [B, Q, H, 3]
+        for c, name in enumerate(BRANCHES):
+            out[f"l{i}_gate_{name}"] = gates[..., c].mean()
+        block_idx = aux["block_idx"][:, q_pos]                              # [B, Q, G, n_sel]
+        key_block = (key_pos // cfg.sel_block)[:, :, None, None]
+        out[f"l{i}_hit"] = (block_idx == key_block).any(-1).mean()
+        out[f"l{i}_cmp_mass"], out[f"l{i}_cmp_uniform"] = compressed_mass(
+            params["blocks"][i]["attn"], a, q_pos, key_pos, cfg)
+    return out
+
+
+def selection_chance(task: Task, T: int, cfg: NSAConfig) -> float:
+    """Hit rate of a uniformly random choice of the free (non-forced) selected blocks."""
+    first_query = T - task.tail
+    eligible = np.arange(first_query, T, 2) // cfg.sel_block + 1
+    free = eligible - cfg.n_init - cfg.n_local
+    return float(np.mean(np.minimum(1.0, (cfg.n_sel - cfg.n_init - cfg.n_local) / free)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy generation through the decode cache
+# ---------------------------------------------------------------------------------------------
+forward_jit = jax.jit(forward, static_argnames=("mc", "collect"))
+
+
+@functools.partial(jax.jit, static_argnames=("mc",))
+def _prefill_model(params, prompt, caches, *, mc: ModelConfig):
+    """Every layer's `nsa_jax.prefill` over prompt `[B, P]` -> (last logits `[B, V]`, caches)."""
+    h, caches = params["embed"][prompt], list(caches)
+    for i, blk in enumerate(params["blocks"]):
+        y, caches[i] = nsa_jax.prefill(blk["attn"], rms_norm(h, blk["norm1"]), mc.nsa,
+                                       caches[i], backend=mc.backend)
+        h = _block_mlp(blk, h + y)
+    return logits_at(params, rms_norm(h[:, -1], params["norm_f"])), caches
+
+
+@functools.partial(jax.jit, static_argnames=("mc", "decode_backend"))
+def _decode_model(params, token, caches, *, mc: ModelConfig, decode_backend: str):
+    """Every layer's `nsa_jax.decode_step` for token `[B, 1]` -> (logits `[B, V]`, caches)."""
+    h, caches = params["embed"][token], list(caches)
+    for i, blk in enumerate(params["blocks"]):
+        y, caches[i], _ = nsa_jax.decode_step(blk["attn"], rms_norm(h, blk["norm1"]), mc.nsa,
+                                              caches[i], backend=decode_backend)
+        h = _block_mlp(blk, h + y)
+    return logits_at(params, rms_norm(h[:, -1], params["norm_f"])), caches
+
+
+def generate(params: dict, prompt: jax.Array, n_new: int, mc: ModelConfig,
+             decode_backend: str) -> tuple[jax.Array, jax.Array]:
+    """Greedy: prefill `prompt [B, P]` into one cache per layer, then `decode_step` per token.
+    -> (tokens int32 `[B, n_new]`, the logits that chose them `[B, n_new, V]`)."""
+    B, P = prompt.shape
+    caches = [nsa_jax.init_cache(mc.nsa, B, P + n_new) for _ in params["blocks"]]
+    logits, caches = _prefill_model(params, prompt, caches, mc=mc)
+    chosen, chosen_logits = [], []
+    for step in range(n_new):
+        if step:
+            logits, caches = _decode_model(params, chosen[-1][:, None], caches, mc=mc,
+                                           decode_backend=decode_backend)
+        chosen.append(jnp.argmax(logits, -1).astype(jnp.int32))
+        chosen_logits.append(logits)
+    return jnp.stack(chosen, 1), jnp.stack(chosen_logits, 1)
+
+
+def check_generation(params, batch: dict, task: Task, mc: ModelConfig, n_new: int,
+                     decode_backend: str) -> dict:
+    """Generate after the first query key and compare with teacher forcing on the generated
+    sequence: `gen_match` (fraction of generated tokens equal to the teacher-forced argmax),
+    `gen_logit_err` (max |decode - forward| logit over max |logit|), `gen_acc` (first generated
+    token = the first query's answer)."""
+    tokens = jnp.asarray(batch["tokens"])
+    P = tokens.shape[1] - task.tail + 1
+    generated, gen_logits = generate(params, tokens[:, :P], n_new, mc, decode_backend)
+    sequence = jnp.concatenate([tokens[:, :P], generated[:, :-1]], axis=1)
+    forced = logits_at(params, forward_jit(params, sequence, mc)[:, P - 1:])
+    return {
+        "gen_match": float(jnp.mean(jnp.argmax(forced, -1) == generated)),
+        "gen_logit_err": float(jnp.max(jnp.abs(forced - gen_logits))
+                               / jnp.maximum(jnp.max(jnp.abs(forced)), 1e-30)),
+        "gen_acc": float(jnp.mean(generated[:, 0] == batch["answers"][:, 0])),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Run:
+    task: Task
+    mc: ModelConfig
+    variant: Variant
+
+    @property
+    def label(self) -> str:
+        return f"nsa:{self.variant.name}" if self.mc.attention == "nsa" else self.mc.attention
+
+
+def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, dict]:
+    """Train one model on one task for `args.steps` steps or until `limit_s` seconds pass.
+    -> (curve rows, summary row). Every run of a task sees the same batches."""
+    task, mc = run.task, run.mc
+    seed = args.seed + 1000 * sorted(make_tasks(args.mqar_pairs)).index(task.name)
+    data_rng = np.random.default_rng(seed)
+    eval_batch = make_batch(np.random.default_rng(seed + 1), task, vocab, args.eval_batch, args.T,
+                            mc.nsa)
+    eval_arrays = [jnp.asarray(eval_batch[k]) for k in ("tokens", "answers", "key_pos")]
+    params = init_model(jax.random.PRNGKey(args.seed), mc, run.variant)
+    mults = lr_multipliers(params, run.variant)
+    opt_state = OPTIMIZER.init(params)
+
+    rows, t_begin = [], time.perf_counter()
+    train_s, compile_s, losses, step = 0.0, 0.0, [], 0
+    for step in range(args.steps):
+        batch = make_batch(data_rng, task, vocab, args.batch, args.T, mc.nsa)
+        lr = learning_rate(step, args.lr, args.warmup, args.steps)
+        t0 = time.perf_counter()
+        params, opt_state, loss, _ = train_step(params, opt_state, batch["tokens"],
+                                                batch["answers"], jnp.float32(lr), mults,
+                                                mc=mc, task=task)
+        losses.append(loss)
+        if step == 0:
+            # The first step compiles; it is not part of the training time.
+            loss.block_until_ready()
+            compile_s = time.perf_counter() - t0
+            t_mark = time.perf_counter()
+        last = step == args.steps - 1 or time.perf_counter() - t_begin > limit_s
+        if step % args.eval_every == 0 or last:
+            jax.block_until_ready(params)
+            if step > 0:
+                train_s += time.perf_counter() - t_mark
+            stats = {k: float(v) for k, v in
+                     evaluate(params, *eval_arrays, mc=mc, task=task).items()}
+            train_loss = float(jnp.mean(jnp.stack(losses)))
+            losses = []
+            rows.append(dict(task=task.name, model=run.label, step=step + 1,
+                             train_s=round(train_s, 3), train_loss=train_loss,
+                             eval_loss=stats.pop("loss"), eval_acc=stats.pop("acc"), **stats))
+            log(f"  {task.name:6s} {run.label:18s} step {step + 1:5d}  loss {train_loss:.3f}  "
+                f"acc {rows[-1]['eval_acc']:.3f}  " + "  ".join(
+                    f"{k} {v:.2f}" for k, v in stats.items() if not k.endswith("_uniform")))
+            t_mark = time.perf_counter()
+            if not math.isfinite(train_loss) or last:
+                break
+
+    final = rows[-1]
+    # Retrieval may live in any layer (on CPU at T 128 it was layer 0): report the layer whose
+    # selection finds the key most often.
+    hit_layer = max(range(mc.n_layers), key=lambda i: final.get(f"l{i}_hit", 0.0))
+    top = f"l{hit_layer}"
+    summary = dict(task=task.name, model=run.label, steps=final["step"],
+                   final_acc=final["eval_acc"], best_acc=max(r["eval_acc"] for r in rows),
+                   final_loss=final["eval_loss"], train_s=final["train_s"],
+                   ms_per_step=1e3 * final["train_s"] / max(1, final["step"] - 1),
+                   compile_s=round(compile_s, 2), hit=final.get(f"{top}_hit"),
+                   gate_sel=final.get(f"{top}_gate_sel"), cmp_mass=final.get(f"{top}_cmp_mass"))
+    if mc.attention == "nsa":
+        summary["hit_layer"] = hit_layer
+        summary["hit_chance"] = selection_chance(task, args.T, mc.nsa)
+        if args.gen_tokens > 0:
+            gen = check_generation(params, {k: v[:args.gen_batch] for k, v in eval_batch.items()},
+                                   task, mc, args.gen_tokens, args.decode_backend)
+            summary.update(gen)
+            log(f"  {task.name:6s} {run.label:18s} decode: " + "  ".join(
+                f"{k} {v:.3g}" for k, v in gen.items()))
+    return rows, summary
+
+
+def acc_at_wall(rows: list, wall_s: float) -> Optional[float]:
+    """Eval accuracy of the last evaluation within `wall_s` seconds of training."""
+    within = [r for r in rows if r["train_s"] <= wall_s + 1e-9]
+    return within[-1]["eval_acc"] if within else None
+
+
+SUMMARY_COLUMNS = ("task", "model", "steps", "final_acc", "best_acc", "acc_at_full_wall",
+                   "acc_at_full_steps", "final_loss", "ms_per_step", "compile_s", "train_s",
+                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "gen_match",
+                   "gen_logit_err", "gen_acc")
+
+
+def equal_budget_columns(curves: dict, summaries: list) -> None:
+    """Fill acc_at_full_wall / acc_at_full_steps: each model's accuracy at the training time
+    and at the step count that full attention used on the same task."""
+    for s in summaries:
+        ref = next((r for r in summaries if r["task"] == s["task"] and r["model"] == "full"), None)
+        if ref is None:
+            continue
+        rows = curves[(s["task"], s["model"])]
+        s["acc_at_full_wall"] = acc_at_wall(rows, ref["train_s"])
+        at_steps = [r for r in rows if r["step"] <= ref["steps"]]
+        s["acc_at_full_steps"] = at_steps[-1]["eval_acc"] if at_steps else None
+
+
+def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
+    """One row of panels per task: accuracy against steps and training time, and per NSA layer
+    the selection hit rate and the sel gate against steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("step", ("eval_acc",), "accuracy vs steps"),
+              ("train_s", ("eval_acc",), "accuracy vs training time (s)"),
+              ("step", tuple(f"l{i}_hit" for i in range(n_layers)), "selection hit rate"),
+              ("step", tuple(f"l{i}_gate_sel" for i in range(n_layers)), "sel gate at queries"))
+    fig, axes = plt.subplots(len(tasks), len(panels), figsize=(4.6 * len(panels), 3.6 * len(tasks)),
+                             squeeze=False)
+    for row, task in zip(axes, tasks):
+        for ax, (x, ys, title) in zip(row, panels):
+            for (name, label), points in sorted(curves.items()):
+                for y in ys:
+                    if name == task and y in points[0]:
+                        suffix = f" {y.split('_')[0]}" if len(ys) > 1 else ""
+                        ax.plot([p[x] for p in points], [p[y] for p in points], marker=".",
+                                label=label + suffix)
+            ax.set_title(f"{task}: {title}", fontsize=9)
+            ax.set_xlabel(x)
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+PRESETS = {
+    # GPU: T 2048, the issue's model (d_model 256, H 8, G 2, d 32) with the paper's block ratios.
+    "gpu": dict(T=2048, batch=16, steps=1000, eval_every=100, lr=2e-3, warmup=100,
+                d_model=256, n_layers=2, heads=8, kv_heads=2, head_dim=32, cmp_block=32,
+                cmp_stride=16, sel_block=64, n_sel=8, window=128, budget_s=300.0,
+                backend="pallas,xla", decode_backend="pallas"),
+    # CPU: a few minutes at T 256 (the same ratios, 4x smaller blocks).
+    "cpu": dict(T=256, batch=16, steps=400, eval_every=50, lr=3e-3, warmup=50,
+                d_model=64, n_layers=2, heads=4, kv_heads=2, head_dim=16, cmp_block=8,
+                cmp_stride=4, sel_block=16, n_sel=4, window=32, budget_s=600.0,
+                backend="xla", decode_backend="xla"),
+    # The test suite's smoke: seconds.
+    "smoke": dict(T=128, batch=8, steps=6, eval_every=3, lr=1e-2, warmup=1,
+                  d_model=32, n_layers=1, heads=2, kv_heads=1, head_dim=8, cmp_block=8,
+                  cmp_stride=4, sel_block=16, n_sel=4, window=16, budget_s=120.0,
+                  backend="xla", decode_backend="xla"),
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--tasks", default="needle,mqar")
+    parser.add_argument("--models", default="full,window,nsa",
+                        help=f"comma list of {ATTENTIONS}")
+    parser.add_argument("--variants", default="default",
+                        help=f"NSA variants, comma list of {sorted(VARIANTS)}")
+    parser.add_argument("--mqar_pairs", type=int, default=8)
+    parser.add_argument("--n_values", type=int, default=64, help="value vocabulary (chance 1/n)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval_batch", type=int, default=64)
+    parser.add_argument("--gen_batch", type=int, default=8)
+    parser.add_argument("--gen_tokens", type=int, default=4,
+                        help="greedy tokens generated through the decode cache (0: no check)")
+    for name, value in PRESETS["gpu"].items():
+        parser.add_argument(f"--{name}", type=type(value), default=None,
+                            help=f"preset value if omitted (gpu: {value})")
+    args = parser.parse_args(argv)
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def build_runs(args) -> tuple[list[Run], Vocab]:
+    tasks = make_tasks(args.mqar_pairs)
+    vocab = Vocab(n_keys=max(64, args.mqar_pairs), n_values=args.n_values)
+    cfg = NSAConfig(d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                    d_k=args.head_dim, d_v=args.head_dim, cmp_block=args.cmp_block,
+                    cmp_stride=args.cmp_stride, sel_block=args.sel_block, n_sel=args.n_sel,
+                    window=args.window)
+    backend = tuple(args.backend.split(","))
+    runs = []
+    for name in args.tasks.split(","):
+        if name not in tasks:
+            raise ValueError(f"task ({name!r}) must be one of {sorted(tasks)}")
+        for attention in args.models.split(","):
+            if attention not in ATTENTIONS:
+                raise ValueError(f"model ({attention!r}) must be one of {ATTENTIONS}")
+            variants = ([VARIANTS[v] for v in args.variants.split(",")] if attention == "nsa"
+                        else [Variant()])
+            for variant in variants:
+                mc = ModelConfig(attention, variant_cfg(cfg, variant), vocab.size,
+                                 n_layers=args.n_layers, backend=backend)
+                runs.append(Run(tasks[name], mc, variant))
+    return runs, vocab
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            raise ValueError(f"variant ({v!r}) must be one of {sorted(VARIANTS)}")
+    runs, vocab = build_runs(args)
+    os.makedirs(args.out, exist_ok=True)
+    lines = []
+
+    def log(text):
+        print(text, flush=True)
+        lines.append(text)
+
+    log(f"devices {jax.devices()}; {len(runs)} runs, T {args.T}, batch {args.batch}, "
+        f"steps {args.steps}, budget {args.budget_s:.0f} s")
+    t_begin = time.perf_counter()
+    curves, summaries = {}, []
+    for i, run in enumerate(runs):
+        # Share what is left of the budget among the runs still to go (compiles included).
+        limit_s = (args.budget_s - (time.perf_counter() - t_begin)) / (len(runs) - i)
+        rows, summary = train_run(run, args, vocab, limit_s, log)
+        curves[(run.task.name, run.label)] = rows
+        summaries.append(summary)
+    equal_budget_columns(curves, summaries)
+    write_outputs(args, runs, curves, summaries, lines, time.perf_counter() - t_begin)
+    return summaries
+
+
+def write_outputs(args, runs, curves, summaries, log_lines, total_s) -> None:
+    from bench import common
+
+    columns: list[str] = []
+    for rows in curves.values():
+        for key in rows[0]:
+            if key not in columns:
+                columns.append(key)
+    common.write_csv(os.path.join(args.out, "curves.csv"),
+                     [r for rows in curves.values() for r in rows], columns)
+    common.write_csv(os.path.join(args.out, "summary.csv"), summaries, SUMMARY_COLUMNS)
+    shown = [c for c in SUMMARY_COLUMNS if any(s.get(c) is not None for s in summaries)]
+    table = common.format_table([[s.get(c) for c in shown] for s in summaries], shown)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(f"# train_recall ({args.preset}: T {args.T}, batch {args.batch}, "
+                f"{args.steps} steps max, {total_s:.0f} s)\n\n")
+        f.write("| " + " | ".join(shown) + " |\n|" + "---|" * len(shown) + "\n")
+        for s in summaries:
+            f.write("| " + " | ".join(common._cell(s.get(c)) for c in shown) + " |\n")
+        f.write(f"\nchance accuracy 1/{args.n_values} = {1 / args.n_values:.3f}\n")
+    plot(os.path.join(args.out, "curves.png"), curves, sorted({r.task.name for r in runs}),
+         args.n_layers)
+    common.write_environment(os.path.join(args.out, "stats.json"), dict(
+        args=vars(args), total_s=total_s, summaries=summaries,
+        runs=[dict(task=r.task.name, model=r.label, variant=dataclasses.asdict(r.variant),
+                   nsa=dataclasses.asdict(r.mc.nsa)) for r in runs],
+        log=log_lines))
+    print("\n" + table, flush=True)
+
+
+if __name__ == "__main__":
+    main()
