@@ -1,7 +1,7 @@
 """NSA decode attention as Pallas GPU kernels: one new query per sequence, forward only.
 
-A decode step attends one token per batch row, at position `t` (the same for every row: the
-cache's position), with the K/V already in the cache. The XLA decode path runs this as a dozen
+A decode step attends one token per batch row, at that row's position `t[b]` (each sequence of
+the cache has its own length), with the K/V already in the cache. The XLA decode path runs this as a dozen
 small XLA ops per branch and upcasts through float32 matmuls; here each branch is one pass over
 exactly the keys it reads, one program per (batch row, KV head) holding the group's `h` query
 heads as rows (padded to the 16 a matrix-unit product needs).
@@ -116,7 +116,7 @@ def _finish(carry):
 
 def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
                 cmp_stride, block, n_cmp):
-    """t_ref [1]; q_ref [h_pad, dk_pad]; k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from
+    """t_ref [1] (this row's position); q_ref [h_pad, dk_pad]; k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from
     n_cmp on are padding); o_ref [h_pad, dv_pad]; lse_ref [h_pad] (natural log);
     s_ref [h_pad, C_pad] (log2 scores)."""
     n_slots = k_ref.shape[0]
@@ -158,7 +158,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
 
 def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ow_ref, *,
                     scale, sel_block, tile, window, block_win, ring):
-    """t_ref [1]; idx_ref [n_sel_pad] (-1 = none); q_ref [h_pad, dk_pad];
+    """t_ref [1] (this row's position); idx_ref [n_sel_pad] (-1 = none); q_ref [h_pad, dk_pad];
     ks_ref [L, dk_pad], vs_ref [L, dv_pad] (every token); kw_ref [W_pad, dk_pad],
     vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot s < ring holds token
     t - (t - s) mod ring); os_ref, ow_ref [h_pad, dv_pad]."""
@@ -225,12 +225,14 @@ def _cache(x, min_len: int, d_pad: int):
     return pad_axis(pad_axis(x, 1, max(min_len, x.shape[1])), 3, d_pad)
 
 
-def _position(t):
+def _positions(t, batch: int):
+    """t: an int scalar (every sequence at the same position) or int `[B]` (each sequence's
+    own) -> int32 `[B]`, the array the kernels read one entry of per program."""
     t = jnp.asarray(t)
-    if t.shape != () or not jnp.issubdtype(t.dtype, jnp.integer):
-        raise ValueError(f"t must be an integer scalar (the query's position), got "
-                         f"{t.dtype}{list(t.shape)}")
-    return t.astype(jnp.int32).reshape(1)
+    if t.shape not in ((), (batch,)) or not jnp.issubdtype(t.dtype, jnp.integer):
+        raise ValueError(f"t must be an integer scalar or [B={batch}] (the query positions), "
+                         f"got {t.dtype}{list(t.shape)}")
+    return jnp.broadcast_to(t.astype(jnp.int32), (batch,))
 
 
 def _check_group_inputs(q, caches: dict, d_v_of: str):
@@ -259,7 +261,7 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
                       interpret: bool = False, implementation: str = "triton"):
     """Compressed attention of one query per sequence, and its selection probabilities.
 
-    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_cmp `[B, C, G, d_k]`,
+    q `[B, H, d_k]` at positions `t` (int scalar or `[B]`, may be traced); k_cmp `[B, C, G, d_k]`,
     v_cmp `[B, C, G, d_v]`: compressed slots in block order (slot i is admissible iff
     `i*cmp_stride + cmp_block - 1 <= t`; later slots are ignored whatever they hold).
     Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, p_group [B, G, C] float32)`:
@@ -271,9 +273,9 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
     if k_cmp.shape[1] != v_cmp.shape[1]:
         raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
-    t = _position(t)
+    t = _positions(t, B)
     if implementation == "xla":
-        return decode_compressed_reference(q, k_cmp, v_cmp, t[0], cmp_block=cmp_block,
+        return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
     bs = block_sizes or DecodeBlockSizes()
     h, C = H // G, k_cmp.shape[1]
@@ -287,7 +289,7 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d), lambda b, g: (b, 0, g, 0))
     o, lse, s = _pallas_call(
         kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret, grid=(B, G),
-        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(h_pad, dk_pad),
+        in_specs=[pl.BlockSpec((1,), lambda b, g: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
         out_specs=[per_group(h_pad, dv_pad), per_group(h_pad), per_group(h_pad, n_slots)],
         out_shape=[jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), q.dtype),
@@ -308,7 +310,7 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                            interpret: bool = False, implementation: str = "triton"):
     """Selected and sliding-window attention of one query per sequence.
 
-    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_sel `[B, L, G, d_k]`,
+    q `[B, H, d_k]` at positions `t` (int scalar or `[B]`, may be traced); k_sel `[B, L, G, d_k]`,
     v_sel `[B, L, G, d_v]`: every cached token by position (tokens after t are ignored);
     block_idx int `[B, G, n_sel]` (-1 = none; block j is tokens `[j*sel_block, (j+1)*sel_block)`);
     k_win `[B, W, G, d_k]`, v_win `[B, W, G, d_v]`: the ring buffer, token s in slot `s mod W`
@@ -321,9 +323,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
         raise ValueError(f"block_idx must be [B={B}, G={G}, n_sel], got shape {block_idx.shape}")
     if v_win.shape[3] != dv:
         raise ValueError(f"v_win has d_v {v_win.shape[3]}, v_sel has {dv}")
-    t = _position(t)
+    t = _positions(t, B)
     if implementation == "xla":
-        return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t[0],
+        return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t,
                                                 sel_block=sel_block, window=window, scale=scale)
     bs = block_sizes or DecodeBlockSizes()
     h = H // G
@@ -343,7 +345,7 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     o_sel, o_win = _pallas_call(
         kernel, name="nsa_decode_selected_window", block_sizes=bs, interpret=interpret,
         grid=(B, G),
-        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(n_sel_pad),
+        in_specs=[pl.BlockSpec((1,), lambda b, g: (b,)), per_group(n_sel_pad),
                   per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),
                   cache_spec(ks.shape[1], dv_pad), cache_spec(kw.shape[1], dk_pad),
                   cache_spec(kw.shape[1], dv_pad)],
@@ -381,7 +383,8 @@ def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_strid
     B, H, dk = q.shape
     G, C = k_cmp.shape[2], k_cmp.shape[1]
     qg = q.reshape(B, G, H // G, dk)
-    slot = jnp.arange(C)
+    t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (B,))[:, None, None]
+    slot = jnp.arange(C, dtype=jnp.int32)
     allowed = jnp.broadcast_to(slot * cmp_stride + cmp_block - 1 <= t, (B, G, C))
     o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
     return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
@@ -393,11 +396,12 @@ def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t
     B, H, dk = q.shape
     G, L, ring = k_sel.shape[2], k_sel.shape[1], k_win.shape[1]
     qg = q.reshape(B, G, H // G, dk)
-    pos = jnp.arange(L)
+    t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (B,))[:, None, None]
+    pos = jnp.arange(L, dtype=jnp.int32)
     chosen = jnp.any((block_idx[..., None] >= 0)
                      & (pos // sel_block == block_idx[..., None]), axis=2)    # [B, G, L]
     o_sel, _, _ = _masked_attention(qg, k_sel, v_sel, chosen & (pos <= t), scale)
-    slot = jnp.arange(ring)
+    slot = jnp.arange(ring, dtype=jnp.int32)
     token = t - (t - slot) % ring
     in_window = jnp.broadcast_to((token >= 0) & (token > t - window), (B, G, ring))
     o_win, _, _ = _masked_attention(qg, k_win, v_win, in_window, scale)

@@ -152,7 +152,7 @@ def _generation(params, x, cfg, max_len, backend):
         y_t, cache, r, aux = step(params, x[:, t:t + 1], cache)
         ys.append(y_t)
         idx.append(aux["block_idx"][:, 0])
-        reads.append({k: int(v) for k, v in r.items()})
+        reads.append({k: np.asarray(v).tolist() for k, v in r.items()})
     return jnp.concatenate(ys, axis=1), idx, reads
 
 
