@@ -239,3 +239,14 @@ def test_gpu_decode_kernels_paper_sizes():
                                              window=512, scale=0.088)
     for a, r in zip(got, ref):
         assert rel_err(a, r) <= 1e-2
+
+
+def test_ragged_decode_pallas_matches_each_sequence():
+    """The ragged-batch check of test_jax_decode on the Pallas decode kernels (each row at its
+    own position), with the backend given as a fallback sequence."""
+    from test_jax_decode import check_ragged
+
+    cfg = NSAConfig.tiny()
+    params, x_all = make_inputs(cfg, 3, 36, jnp.float32, seed=9)
+    check_ragged(params, x_all, cfg, 36, prompt=[3, 0, 21], chunk=[9, 14, 2], steps=8,
+                 backend=("pallas", "xla"), tol=F32_TOL)
