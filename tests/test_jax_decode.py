@@ -251,3 +251,38 @@ def test_cache_full_raises_eagerly_and_flags_under_jit():
     y, flagged = chunk(cache._replace(lengths=jnp.array([3, 10], jnp.int32)), x[:, :1])
     assert np.all(np.isnan(y[1])) and np.all(y[0] == 0)
     np.testing.assert_array_equal(flagged.overflow, [False, True])
+
+
+def check_branch_steps(backend):
+    """`decode_step_branches` with one branch is `decode_step` with the gates forced to it
+    (the same output and cache), and another branch's step differs: the benchmark's breakdown
+    times real work. With no branch, the output is the gated zero (the output projection of 0)."""
+    from bench.bench_decode import force_gates
+
+    cfg = NSAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=3, window=12)
+    params, x = make_inputs(cfg, 2, 46, jnp.float32, seed=10)
+    _, cache = nsa_jax.prefill(params, x[:, :45], cfg, nsa_jax.init_cache(cfg, 2, 64),
+                               lengths=jnp.array([45, 30]))
+    x_t = x[:, 45:46]
+    step = jax.jit(nsa_jax.decode.decode_step_branches,
+                   static_argnames=("cfg", "branches", "backend"))
+    for branch in ("cmp", "sel", "win"):
+        forced = force_gates(params, cfg, branch)
+        y_ref, cache_ref, reads_ref = nsa_jax.decode_step(forced, x_t, cfg, cache,
+                                                          backend=backend)
+        y, cache_new, _ = step(forced, x_t, cfg=cfg, cache=cache, branches=(branch,),
+                               backend=backend)
+        assert rel_err(y, y_ref) <= F32_TOL, branch
+        for got, want in zip(cache_new, cache_ref):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        other = {"cmp": "win", "sel": "cmp", "win": "sel"}[branch]
+        y_other, _, _ = step(forced, x_t, cfg=cfg, cache=cache, branches=(other,),
+                             backend=backend)
+        assert rel_err(y_other, y_ref) > 1e-3, branch
+    y_none, _, _ = step(params, x_t, cfg=cfg, cache=cache, branches=(), backend=backend)
+    np.testing.assert_allclose(y_none, 0, atol=1e-6)
+
+
+def test_decode_step_branches_is_decode_step_with_forced_gates():
+    check_branch_steps("xla")

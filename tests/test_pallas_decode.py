@@ -250,3 +250,10 @@ def test_ragged_decode_pallas_matches_each_sequence():
     params, x_all = make_inputs(cfg, 3, 36, jnp.float32, seed=9)
     check_ragged(params, x_all, cfg, 36, prompt=[3, 0, 21], chunk=[9, 14, 2], steps=8,
                  backend=("pallas", "xla"), tol=F32_TOL)
+
+
+def test_decode_step_branches_pallas():
+    """The breakdown hook on the Pallas kernels (win: the fused kernel with no blocks)."""
+    from test_jax_decode import check_branch_steps
+
+    check_branch_steps("pallas")
