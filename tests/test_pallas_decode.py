@@ -58,17 +58,28 @@ SHAPES = [
 ]
 
 
+# Split-KV: 16-slot tiles split 3 ways leave uneven shares (and splits with no work at small
+# t); one split is the plain pass. (The default, one split per tile up to 64 at tiny B * G,
+# runs in every other test of this file.)
+SPLITS = {"3-way": D.DecodeBlockSizes(block_cmp=16, block_win=16, target_programs=3,
+                                      max_splits=3),
+          "none": D.DecodeBlockSizes(block_cmp=16, block_win=16, target_programs=1)}
+
+
+@pytest.mark.parametrize("split", ["3-way", "none"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernels_match_reference_and_brute_force(shape):
+def test_kernels_match_reference_and_brute_force(shape, split):
     B, H, G, dk, dv, C, L, ring, l, d, l_sel, n_sel, w = shape
     x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32)
     scale = 0.3
     h = H // G
+    bs = SPLITS[split]
     # Jitted with t traced: one interpretation per kernel for all positions.
     compressed = jax.jit(lambda q, k, v, t: D.decode_compressed(
-        q, k, v, t, cmp_block=l, cmp_stride=d, scale=scale, interpret=True))
+        q, k, v, t, cmp_block=l, cmp_stride=d, scale=scale, interpret=True, block_sizes=bs))
     selected_window = jax.jit(lambda q, ks, vs, idx, kw, vw, t: D.decode_selected_window(
-        q, ks, vs, idx, kw, vw, t, sel_block=l_sel, window=w, scale=scale, interpret=True))
+        q, ks, vs, idx, kw, vw, t, sel_block=l_sel, window=w, scale=scale, interpret=True,
+        block_sizes=bs))
     for t in sorted({0, l - 2, l - 1, l + d, min(L, C * d + l) - 1, ring - 1, L - 1}):
         if t >= L or t < 0:
             continue
@@ -104,6 +115,32 @@ def test_kernels_match_reference_and_brute_force(shape):
         np.testing.assert_allclose(o_win[b, heads], _brute_force(
             x["q"][b, heads], x["k_win"][b, :, g], x["v_win"][b, :, g],
             (slot_token >= 0) & (slot_token > t - w), scale), atol=2e-6)
+
+
+def test_kernels_take_a_position_per_row():
+    """t `[B]`: each row attends at its own position, as the reference does row by row."""
+    B, H, G, dk, dv, C, L, ring = 3, 4, 2, 16, 16, 40, 100, 24
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32, seed=11)
+    t = jnp.array([5, 99, 40], jnp.int32)
+    idx = jnp.concatenate([_block_idx(1, G, 4, int(t_b), 16, seed=b)
+                           for b, t_b in enumerate(t)])
+    o, lse, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=8,
+                                    cmp_stride=4, scale=0.3, interpret=True)
+    o_sel, o_win = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
+                                            x["v_win"], t, sel_block=16, window=24, scale=0.3,
+                                            interpret=True)
+    for b, t_b in enumerate(np.asarray(t)):
+        row = {k: v[b:b + 1] for k, v in x.items()}
+        o_r, _, p_r = D.decode_compressed_reference(row["q"], row["k_cmp"], row["v_cmp"],
+                                                    int(t_b), cmp_block=8, cmp_stride=4,
+                                                    scale=0.3)
+        np.testing.assert_allclose(o[b:b + 1], o_r, atol=2e-6)
+        np.testing.assert_allclose(p[b:b + 1], p_r, atol=2e-6)
+        sel_r, win_r = D.decode_selected_window_reference(
+            row["q"], row["k_sel"], row["v_sel"], idx[b:b + 1], row["k_win"], row["v_win"],
+            int(t_b), sel_block=16, window=24, scale=0.3)
+        np.testing.assert_allclose(o_sel[b:b + 1], sel_r, atol=2e-6)
+        np.testing.assert_allclose(o_win[b:b + 1], win_r, atol=2e-6)
 
 
 def test_kernels_bfloat16_and_empty_rows():
