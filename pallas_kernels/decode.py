@@ -97,6 +97,12 @@ def _tile(first, size: int, length: int):
     return start, start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
 
 
+def _score_tile(s_ref, start, size: int):
+    """The `[rows, size]` view of the score row `s_ref` from slot `start`: every index int32
+    (a bare `:` would be int64 under jax_enable_x64, which the store rejects)."""
+    return s_ref.at[pl.ds(jnp.int32(0), s_ref.shape[0]), pl.ds(start, size)]
+
+
 def _online_step(carry, s, v):
     """One online-softmax update with scores `s [rows, n]` (log2 domain, MASK where masked)."""
     acc, m, l = carry
@@ -136,14 +142,16 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
     n_slots = k_ref.shape[0]
     t = t_ref[0]
     # Blocks visible to t: i*d + l - 1 <= t, written with a non-negative numerator (Triton's
-    # integer division truncates).
-    visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0), cmp_stride),
-                          n_cmp)
+    # integer division truncates). lax.div / lax.rem take int32 constants explicitly: with
+    # jax_enable_x64 a Python int would be int64.
+    visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0),
+                                  jnp.int32(cmp_stride)), n_cmp)
     q = q_ref[...]
     scale_log2 = scale * LOG2_E
     first_tile = pl.program_id(2) * tiles_per_split
     end_tile = jnp.minimum(first_tile + tiles_per_split, -(-n_slots // block))
-    live_end = jnp.maximum(first_tile, jnp.minimum(end_tile, lax.div(visible + block - 1, block)))
+    live_end = jnp.maximum(first_tile, jnp.minimum(end_tile, lax.div(visible + block - 1,
+                                                                            jnp.int32(block))))
 
     def visit(i, carry):
         first = i * block
@@ -155,7 +163,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
-        pltriton.store(s_ref.at[:, pl.ds(start, block)], s, mask=new)
+        pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
         return _online_step(carry, s, v)
 
     carry = lax.fori_loop(first_tile, live_end, visit, _init(*o_ref.shape))
@@ -164,7 +172,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         first = i * block
         start, slot = _tile(first, block, n_slots)
         rows = s_ref.shape[0]
-        pltriton.store(s_ref.at[:, pl.ds(start, block)], jnp.full((rows, block), MASK, jnp.float32),
+        pltriton.store(_score_tile(s_ref, start, block), jnp.full((rows, block), MASK, jnp.float32),
                        mask=jnp.broadcast_to(slot >= first, (rows, block)))
         return unused
 
@@ -210,7 +218,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         start, slot = _tile(first, block_win, ring_pad)
         k = kw_ref[pl.ds(start, block_win), :]
         v = vw_ref[pl.ds(start, block_win), :]
-        token = t - lax.rem(t - slot + ring, ring)   # > 0 for real slots (s < ring): the modulo
+        token = t - lax.rem(t - slot + ring, jnp.int32(ring))   # > 0 for real slots (s < ring): the modulo
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
         s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)

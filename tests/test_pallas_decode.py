@@ -294,3 +294,19 @@ def test_decode_step_branches_pallas():
     from test_jax_decode import check_branch_steps
 
     check_branch_steps("pallas")
+
+
+def test_decode_step_pallas_under_x64(x64):
+    """With jax_enable_x64 (float32 inputs), both decode paths keep int32 indices and agree
+    with the layer."""
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 20, jnp.float32, seed=13)
+    ref = nsa_jax.nsa_attention(params, x, cfg)
+    _, cache = nsa_jax.prefill(params, x[:, :19], cfg, nsa_jax.init_cache(cfg, 2, 24),
+                               lengths=np.array([19, 19]))
+    for backend in ("xla", "pallas"):
+        y_t, after, reads = nsa_jax.decode_step(params, x[:, 19:20], cfg, cache,
+                                                backend=backend)
+        assert rel_err(y_t[:, 0], ref[:, 19]) <= F32_TOL, backend
+        assert after.lengths.dtype == jnp.int32
+        assert all(v.dtype == jnp.int32 for v in reads.values())
