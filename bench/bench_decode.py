@@ -191,6 +191,8 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     params = init_params(cfg, dtype)
     if args.branch_force_mode != "none":
         params = force_gates(params, cfg, args.branch_force_mode)
+    # As a server would: the step's projection weights concatenated once (one GEMM per step).
+    params = nsa_jax.decode.prepare_decode_params(params, cfg)
     xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, cfg.d_model), dtype)
           for i in range(args.rotate)]
 

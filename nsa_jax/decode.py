@@ -25,7 +25,9 @@ from jax import lax
 
 from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_weights
 from nsa_jax import checks, dispatch
-from nsa_jax.layer import check_layer_inputs, combine, forward_unchecked, project
+from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
+                           kv_names, project)
+from nsa_jax.rope import apply_rope
 from nsa_jax.xla.common import einsum, merge_heads
 from nsa_jax.xla.compress import compress_blocks
 from nsa_jax.xla.compressed_attention import cmp_probabilities
@@ -290,7 +292,8 @@ def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
     runs): "xla" (the XLA path's chunk functions) or "pallas" (`pallas_kernels.decode`: one
     kernel for the compressed branch and the selection probabilities, one for the selected and
     window branches). options: `{"pallas": PallasOptions(...)}` (interpret mode, decode tiles).
-    Jit it with the cache donated (`donate_argnames="cache"`) so that the appends are in place.
+    Jit it with the cache donated (`donate_argnames="cache"`) so that the appends are in place,
+    and pass `prepare_decode_params(params, cfg)` for one projection GEMM per step.
 
     -> `(y_t [B, 1, d_model], cache, reads)`, plus `aux` (o_cmp, o_sel, o_win `[B, 1, H, d_v]`,
     gates `[B, 1, H, 3]`, block_idx int32 `[B, 1, G, n_sel]`) when `return_aux`.
@@ -327,6 +330,42 @@ def decode_step_branches(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCa
     return out if return_aux else out[:3]
 
 
+STEP_WEIGHTS = "decode_w_qkv"
+
+
+def prepare_decode_params(params, cfg: NSAConfig) -> dict:
+    """`params` plus `params["decode_w_qkv"]`: wq and every wk / wv side by side
+    (`[d_model, H*d_k + n_kv*G*(d_k + d_v)]`), concatenated once, so that a decode step computes
+    all its projections in one GEMM instead of one small GEMM per weight. `decode_step` uses it
+    when present (prepare again after changing the weights); the layer ignores it."""
+    plain = {key: value for key, value in params.items() if key != STEP_WEIGHTS}
+    check_params(plain, cfg)
+    names = kv_names(cfg)
+    parts = [params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+    return {**plain, STEP_WEIGHTS: jnp.concatenate(parts, axis=1)}
+
+
+def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
+    """`layer.project` of one token per sequence; one GEMM when the params are prepared."""
+    if STEP_WEIGHTS not in params:
+        return project(params, x_t, cfg, positions)
+    B, T, _ = x_t.shape
+    H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    names = kv_names(cfg)
+    fused = dense(x_t, params[STEP_WEIGHTS])
+    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names)
+    pieces = jnp.split(fused, np.cumsum(widths)[:-1], axis=-1)
+    rope = ((lambda a: a) if cfg.rope_theta is None
+            else (lambda a: apply_rope(a, positions, cfg.rope_theta)))
+    out = {"q": rope(pieces[0].reshape(B, T, H, dk))}
+    keys = {n: rope(p.reshape(B, T, G, dk)) for n, p in zip(names, pieces[1:1 + len(names)])}
+    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[1 + len(names):])}
+    for c in BRANCHES:
+        name = "shared" if cfg.shared_kv else c
+        out[f"k_{c}"], out[f"v_{c}"] = keys[name], values[name]
+    return out
+
+
 def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit) -> DecodeCache:
     """Compress the raw rings (tokens `t-l+1 .. t` of each sequence) into slot `(t+1-l)/d` of
     the sequences that `emit`; the compression MLP runs only on steps where one does."""
@@ -352,7 +391,7 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     l, d = cfg.cmp_block, cfg.cmp_stride
     fits, new = _room(cache, jnp.ones_like(cache.lengths))
     t = cache.lengths                                                      # [B]
-    proj = project(params, x_t, cfg, t[:, None])
+    proj = _project_step(params, x_t, cfg, t[:, None])
     cache = _append_tokens(cache, proj, t[:, None], new)
     emit = fits & (t + 1 >= l) & ((t + 1 - l) % d == 0)
     cache = _emit_blocks(cache, params, cfg, t, emit)
