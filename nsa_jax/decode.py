@@ -239,9 +239,11 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
         proj = project(params, x, cfg, pos)
         # Blocks ending inside this chunk read up to l - 1 tokens before it: those are the raw
         # ring's, so block j is the window [j*d, j*d + l) of (ring in token order ++ chunk).
-        ordered_raw = lambda ring: _ordered_ring(ring, start - l)            # noqa: E731
-        k_ext = jnp.concatenate([ordered_raw(cache.k_raw), proj["k_cmp"].astype(cache.k_raw.dtype)], 1)
-        v_ext = jnp.concatenate([ordered_raw(cache.v_raw), proj["v_cmp"].astype(cache.v_raw.dtype)], 1)
+        def extended(ring, chunk):
+            return jnp.concatenate([_ordered_ring(ring, start - l), chunk.astype(ring.dtype)], 1)
+
+        k_ext = extended(cache.k_raw, proj["k_cmp"])                       # [B, l + T, G, d]
+        v_ext = extended(cache.v_raw, proj["v_cmp"])
         first = jnp.maximum(0, -((l - 1 - start) // d))                    # ceil((start-l+1)/d)
         block = first[:, None] + jnp.arange(-(-T // d), dtype=jnp.int32)   # [B, K]
         token = block[..., None] * d - (start - l)[:, None, None] + jnp.arange(l, dtype=jnp.int32)

@@ -120,7 +120,8 @@ def prefill(module: NSAAttention, x: torch.Tensor, cache: NSACache, lengths=None
             y[b:b + 1, :n] = _prefill_row(module, params, x[b:b + 1, :n], cache, b)
         else:
             for i in range(n):
-                y[b:b + 1, i:i + 1] = _step_row(module.cfg, params, x[b:b + 1, i:i + 1], cache, b)[0]
+                y_i, _, _ = _step_row(module.cfg, params, x[b:b + 1, i:i + 1], cache, b)
+                y[b:b + 1, i:i + 1] = y_i
     return y, cache
 
 

@@ -1,7 +1,8 @@
 """NSA decode attention as Pallas GPU kernels: one new query per sequence, forward only.
 
 A decode step attends one token per batch row, at that row's position `t[b]` (each sequence of
-the cache has its own length), with the K/V already in the cache. The XLA decode path runs this as a dozen
+the cache has its own length), with the K/V already in the cache. The XLA decode path runs this
+as a dozen
 small XLA ops per branch and upcasts through float32 matmuls; here each branch is one pass over
 exactly the keys it reads, one program per (batch row, KV head) holding the group's `h` query
 heads as rows (padded to the 16 a matrix-unit product needs).
@@ -218,7 +219,8 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         start, slot = _tile(first, block_win, ring_pad)
         k = kw_ref[pl.ds(start, block_win), :]
         v = vw_ref[pl.ds(start, block_win), :]
-        token = t - lax.rem(t - slot + ring, jnp.int32(ring))   # > 0 for real slots (s < ring): the modulo
+        # >= 0 for real slots (s < ring): the modulo's argument is positive.
+        token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
         s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)

@@ -1,6 +1,7 @@
 """Decode: `decode_step` after `prefill` reproduces the full layer at every position, selects the
 same blocks, and reads exactly the tokens the spec counts (never more than the paper's bound)."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -112,12 +113,13 @@ def test_cache_layout_after_prefill():
     torch.testing.assert_close(cache.k_sel[:, :n_prompt], k["sel"], rtol=0, atol=ATOL)
     torch.testing.assert_close(cache.v_sel[:, :n_prompt], v["sel"], rtol=0, atol=ATOL)
     assert torch.all(cache.k_sel[:, n_prompt:] == 0)
+    close = functools.partial(torch.testing.assert_close, rtol=0, atol=ATOL)
     for t in range(n_prompt - cfg.window, n_prompt):
-        torch.testing.assert_close(cache.k_win[:, t % cfg.window], k["win"][:, t], rtol=0, atol=ATOL)
-        torch.testing.assert_close(cache.v_win[:, t % cfg.window], v["win"][:, t], rtol=0, atol=ATOL)
+        close(cache.k_win[:, t % cfg.window], k["win"][:, t])
+        close(cache.v_win[:, t % cfg.window], v["win"][:, t])
     for t in range(n_prompt - cfg.cmp_block, n_prompt):
-        torch.testing.assert_close(cache.k_cmp_raw[:, t % cfg.cmp_block], k["cmp"][:, t], rtol=0, atol=ATOL)
-        torch.testing.assert_close(cache.v_cmp_raw[:, t % cfg.cmp_block], v["cmp"][:, t], rtol=0, atol=ATOL)
+        close(cache.k_cmp_raw[:, t % cfg.cmp_block], k["cmp"][:, t])
+        close(cache.v_cmp_raw[:, t % cfg.cmp_block], v["cmp"][:, t])
     torch.testing.assert_close(cache.k_cmp[:, :n_cmp], k_cmp, rtol=0, atol=ATOL)
     torch.testing.assert_close(cache.v_cmp[:, :n_cmp], v_cmp, rtol=0, atol=ATOL)
     assert torch.all(cache.k_cmp[:, n_cmp:] == 0)
