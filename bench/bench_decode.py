@@ -11,8 +11,9 @@ Per point (B, S):
                    appends and output projection; the other branch outputs are zeros): its time
                    as a share of the full step is the breakdown. `sel` includes the compressed
                    scores it ranks (selection cannot run without them). With --backend pallas
-                   (the GPU default) the window is computed in the same kernel as the selected
-                   branch, so `sel` includes it and `win` is written as skipped.
+                   (the GPU default) the selected and window branches share one kernel: `sel`
+                   includes the window's reads, `win` runs that kernel with no blocks selected.
+                   These are `nsa_jax.decode.decode_step_branches`, the library's own hook.
   nsa_jax / base   the step with no attention at all (projections, appends, gates, output), so
                    `attn_ms = ms - base_ms` isolates each branch's attention.
   full_<impl>      a full-attention layer step at the same B and S: q/k/v projections, in-place
@@ -32,7 +33,13 @@ bg = +30 for it, -30 for the others; the layer output is then that branch's outp
 breakdown times that branch only. The decode step computes all three branches whatever the gates
 say, so forcing changes the output, not the full step's cost.
 
-Example (GPU): python bench/bench_decode.py --B 1,32 --S_list 8k,16k,32k,64k --csv artifacts/bench/decode.csv
+Outputs: the full CSV (--csv), and on the GPU the two summary files of bench/results/
+(--latest_csv): `decode_latest.csv` (B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,
+commit; speedup = the first full-attention baseline that ran, FA-3 first, over the NSA step) and
+`decode_latest_breakdown.csv` beside it (each branch-only step and the base step).
+
+Example (GPU): python bench/bench_decode.py --csv artifacts/bench/decode.csv
+               (defaults: B 1,8,32, S 16k,64k,128k, paper sizes, bf16, pallas)
 CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --dim 32 --heads 4 \
                    --groups 2 --dk 16 --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --dtype float32
 """
@@ -102,27 +109,22 @@ def force_gates(params, cfg, branch: str):
 
 
 def random_cache(cache, S: int, key):
-    """`cache` (from init_cache) with every float array random and the position set to S.
+    """`cache` (from init_cache) with every float array random and every sequence's length S.
 
     One jitted program fills every leaf (eager jax.random would compile once per shape).
     """
     import jax
     import jax.numpy as jnp
 
-    leaves, treedef = jax.tree_util.tree_flatten(cache)
-    for leaf in leaves:
-        if not jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim != 0:
-            raise Skip(f"cannot fill a cache leaf of shape {leaf.shape} / {leaf.dtype}")
-
     @jax.jit
-    def fill(leaves, key):
-        keys = jax.random.split(key, len(leaves))
-        return [jax.random.normal(k, leaf.shape, leaf.dtype)
-                if jnp.issubdtype(leaf.dtype, jnp.floating)
-                else jnp.asarray(S, leaf.dtype)  # the position (the only integer scalar)
-                for leaf, k in zip(leaves, keys)]
+    def fill(cache, key):
+        keys = jax.random.split(key, len(cache))
+        filled = [jax.random.normal(k, leaf.shape, leaf.dtype)
+                  if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+                  for leaf, k in zip(cache, keys)]
+        return type(cache)(*filled)._replace(lengths=jnp.full_like(cache.lengths, S))
 
-    return jax.tree_util.tree_unflatten(treedef, fill(leaves, key))
+    return fill(cache, key)
 
 
 def init_params(cfg, dtype):
@@ -143,98 +145,15 @@ def cache_bytes(cache) -> int:
 
 
 def branch_only_step(mode: str, backend: str = "xla"):
-    """A decode step computing only branch `mode` (cmp, sel, win) or no attention ("base").
+    """The decode step with only branch `mode`'s attention (cmp, sel, win) or none ("base"):
+    `nsa_jax.decode.decode_step_branches`, as fn(params, x_t, cfg, cache) -> (y_t, cache,
+    reads)."""
+    from nsa_jax.decode import decode_step_branches
 
-    It mirrors `nsa_jax.decode.decode_step` with the same helpers, so the only difference from
-    the full step is the attention work left out. Returns fn(params, x_t, cfg, cache) ->
-    (y_t, cache). Raises Skip when nsa_jax's decode internals are not the ones this mirrors.
-    """
-    try:
-        from nsa_jax import decode as D
-    except ImportError as exc:
-        raise Skip(f"nsa_jax.decode not importable ({exc})") from None
-    needed = ("project", "combine", "_ring_write", "_emit_block", "cmp_probabilities",
-              "merge_heads", "einsum", "overlap_weights", "num_sel_blocks", "top_blocks",
-              "sel_scores", "selected_chunk", "window_chunk", "DecodeCache")
-    missing = [n for n in needed if not hasattr(D, n)]
-    if missing:
-        raise Skip(f"branch breakdown mirrors nsa_jax.decode internals; missing {missing}")
-    import jax.numpy as jnp
-    from jax import lax
-
-    def step(params, x_t, cfg, cache):
-        B = x_t.shape[0]
-        l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
-        t = cache.pos
-        proj = D.project(params, x_t, cfg, t[None])
-        emit = (t + 1 >= l) & ((t + 1 - l) % d == 0)
-        mlp = cfg.compress == "mlp"
-        k_raw = D._ring_write(cache.k_raw, proj["k_cmp"], t % l)
-        v_raw = D._ring_write(cache.v_raw, proj["v_cmp"], t % l)
-        ring = cache.k_win.shape[1]
-        cache = D.DecodeCache(
-            k_sel=D._ring_write(cache.k_sel, proj["k_sel"], t),
-            v_sel=D._ring_write(cache.v_sel, proj["v_sel"], t),
-            k_win=D._ring_write(cache.k_win, proj["k_win"], t % ring),
-            v_win=D._ring_write(cache.v_win, proj["v_win"], t % ring),
-            k_raw=k_raw, v_raw=v_raw,
-            k_cmp=D._emit_block(cache.k_cmp, k_raw, params["cmp_k"] if mlp else None, cfg, t,
-                                emit),
-            v_cmp=D._emit_block(cache.v_cmp, v_raw, params["cmp_v"] if mlp else None, cfg, t,
-                                emit),
-            pos=t + 1)
-        q, scale = proj["q"], cfg.scale
-        q_pos = jnp.full((B, 1), t, jnp.int32)
-        zeros = jnp.zeros((B, 1), jnp.int32)
-        o_zero = jnp.zeros((B, 1, cfg.n_heads, cfg.d_v), q.dtype)
-        o = {"cmp": o_zero, "sel": o_zero, "win": o_zero}
-        if backend == "pallas":
-            if mode == "win":
-                raise Skip("the pallas decode kernel computes the window together with the "
-                           "selected branch: see the sel row")
-            if mode in ("cmp", "sel"):
-                o_cmp, o_sel = _pallas_branches(cfg, cache, q, t, mode)
-                o[mode] = o_cmp if mode == "cmp" else o_sel
-            elif mode != "base":
-                raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
-        elif mode in ("cmp", "sel"):
-            n_slots = cache.k_cmp.shape[1]
-            cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
-            p_cmp, _ = D.cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
-                                           jnp.zeros((n_slots,), jnp.int32), scale)
-            if mode == "cmp":
-                o["cmp"] = D.merge_heads(D.einsum("bqghc,bcgd->bqghd", p_cmp, cache.v_cmp,
-                                                  p_cmp.dtype)).astype(q.dtype)
-            else:
-                overlap = jnp.asarray(D.overlap_weights(cfg, n_slots,
-                                                        D.num_sel_blocks(cfg, cache.max_len)))
-                block_idx = D.top_blocks(D.sel_scores(lax.stop_gradient(p_cmp),
-                                                      overlap.astype(p_cmp.dtype)),
-                                         q_pos[..., None], cfg)
-                o["sel"] = D.selected_chunk(q, cache.k_sel, cache.v_sel, block_idx, q_pos,
-                                            zeros, l_sel, scale).astype(q.dtype)
-        elif mode == "win":
-            ring_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring
-            o["win"] = D.window_chunk(q, cache.k_win, cache.v_win, ring_token, q_pos, zeros,
-                                      cfg.window, scale).astype(q.dtype)
-        elif mode != "base":
-            raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
-        y, _ = D.combine(params, x_t, cfg, o["cmp"], o["sel"], o["win"])
-        return y, cache
-
-    return step
-
-
-def _pallas_branches(cfg, cache, q, t, mode: str):
-    """The pallas decode path up to `mode`: (o_cmp, None) for "cmp"; (None, o_sel) for "sel",
-    which runs the compressed kernel, the block ranking and the fused selected+window kernel."""
-    from nsa_jax import decode as D
-
-    o_cmp, p_group = D.pallas_compressed(q, cache, cfg, t)
-    if mode == "cmp":
-        return o_cmp, None
-    _, o_sel, _ = D.pallas_selected_window(q, cache, cfg, t, p_group)
-    return None, o_sel
+    if mode not in (*BRANCHES, "base"):
+        raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
+    return functools.partial(decode_step_branches, backend=backend,
+                             branches=() if mode == "base" else (mode,))
 
 
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
@@ -272,6 +191,8 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     params = init_params(cfg, dtype)
     if args.branch_force_mode != "none":
         params = force_gates(params, cfg, args.branch_force_mode)
+    # As a server would: the step's projection weights concatenated once (one GEMM per step).
+    params = nsa_jax.decode.prepare_decode_params(params, cfg)
     xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, cfg.d_model), dtype)
           for i in range(args.rotate)]
 
@@ -292,7 +213,8 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     try:
         timing, first_reads = _timed_decode(decode_step, params, cfg, cache, xs, args)
         del cache
-        reads = {k: int(v) for k, v in first_reads.items()}
+        # Every sequence sits at position S: the counts are the same for each (take the max).
+        reads = {k: int(v.max()) for k, v in first_reads.items()}
         full.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
                     share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
                     reads_win=reads.get("win"), reads_actual=reads.get("total"))
@@ -447,6 +369,40 @@ def add_speedups(records: list[dict], full_order: list[str]) -> None:
                 break
 
 
+LATEST_COLUMNS = ["B", "S", "nsa_ms", "fa3_ms", "cudnn_ms", "speedup", "reads", "formula",
+                  "device", "commit"]
+BREAKDOWN_COLUMNS = ["B", "S", "mode", "ms", "share_of_step", "attn_ms", "status", "device",
+                     "commit"]
+
+
+def write_latest(records: list[dict], path: str, device: str, commit: str) -> None:
+    """The one-line-per-(B, S) summary at `path` and the per-branch breakdown beside it
+    (`*_breakdown.csv`); a value that did not run is left empty."""
+    points: dict[tuple, dict] = {}
+    for r in records:
+        points.setdefault((r["B"], r["S"]), {})[(r["row"], r.get("mode"))] = r
+
+    def ms(entry):
+        return entry.get("ms") if entry and entry.get("status") == OK else None
+
+    latest, breakdown = [], []
+    for (B, S), entries in sorted(points.items()):
+        nsa = entries.get(("nsa_jax", "full"), {})
+        latest.append(dict(B=B, S=S, nsa_ms=ms(nsa), fa3_ms=ms(entries.get(("full_fa3", "full"))),
+                           cudnn_ms=ms(entries.get(("full_cudnn", "full"))),
+                           speedup=nsa.get("speedup_vs_full"), reads=nsa.get("reads_actual"),
+                           formula=nsa.get("reads_formula"), device=device, commit=commit))
+        for mode in (*BRANCHES, "base"):
+            r = entries.get(("nsa_jax", mode))
+            if r:
+                breakdown.append(dict(B=B, S=S, mode=mode, ms=ms(r),
+                                      share_of_step=r.get("share_of_step"),
+                                      attn_ms=r.get("attn_ms"), status=r.get("status"),
+                                      device=device, commit=commit))
+    common.write_csv(path, latest, LATEST_COLUMNS)
+    common.write_csv(os.path.splitext(path)[0] + "_breakdown.csv", breakdown, BREAKDOWN_COLUMNS)
+
+
 def plot(records: list[dict], path: str, title: str) -> None:
     latency: dict[str, list] = {}
     speedup: dict[str, list] = {}
@@ -474,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
-    p.add_argument("--B", default="1,32", help="batch sizes, comma list (up to 64)")
+    p.add_argument("--B", default="1,8,32", help="batch sizes, comma list (up to 64)")
     p.add_argument("--dim", type=int, default=2560, help="d_model")
     p.add_argument("--heads", type=int, default=64, help="query heads H")
     p.add_argument("--groups", type=int, default=4, help="KV heads G")
@@ -486,13 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
     p.add_argument("--w", type=int, default=512, help="sliding window")
     p.add_argument("--compress", default="mlp", choices=("mlp", "mean"))
-    p.add_argument("--S_list", default="8k,16k,32k,64k", help="context lengths ('k' = 1024)")
+    p.add_argument("--S_list", default="16k,64k,128k", help="context lengths ('k' = 1024)")
     p.add_argument("--iters", type=int, default=50, help="timed steps per repeat")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--rotate", type=int, default=3, help="distinct x_t buffers cycled")
     p.add_argument("--csv", default="artifacts/bench/decode.csv",
                    help="CSV path; the PNG, summary and env JSON go beside it")
+    p.add_argument("--latest_csv", default="auto",
+                   help="the summary CSV (breakdown beside it, *_breakdown.csv); auto: "
+                        "bench/results/decode_latest.csv on gpu, none on cpu; '' for none")
     p.add_argument("--branch_force_mode", default="none", choices=("none", *BRANCHES))
     p.add_argument("--backend", default=None, choices=("xla", "pallas"),
                    help="nsa_jax decode_step backend (default: pallas on gpu, xla on cpu)")
@@ -524,6 +483,9 @@ def parse_args(argv=None):
         raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
     if args.backend is None:
         args.backend = "pallas" if args.device == "gpu" else "xla"
+    if args.latest_csv == "auto":
+        args.latest_csv = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "decode_latest.csv") if args.device == "gpu" else "")
     if args.full_impls == "auto":
         args.full_order = ["fa3", "cudnn"] if args.device == "gpu" else ["xla"]
     else:
@@ -572,6 +534,8 @@ def main(argv=None) -> int:
         records += new
     add_speedups(records, args.full_order)
     common.write_csv(args.csv, records, COLUMNS)
+    if args.latest_csv:
+        write_latest(records, args.latest_csv, args.device_label, env["commit"])
     title = (f"NSA decode ({args.backend}): H={args.heads} G={args.groups} dk={args.dk} "
              f"dv={args.dv} {args.dtype} force={args.branch_force_mode} on {args.device_label} "
              f"(commit {env['commit'][:10]})")

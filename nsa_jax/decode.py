@@ -1,14 +1,21 @@
 """Decode: `init_cache`, `prefill`, `decode_step` as pure functions on a fixed-shape cache.
 
-Every array of the cache has a shape fixed by `(cfg, batch, max_len, dtype)` and the position is
-a traced int32 scalar, so a jitted `decode_step` compiles once for a whole generation. The
-branch math is the XLA path's own chunk functions called with one query, so a decode step
-computes what a prefill over tokens `0..t` computes at position t.
+Every array of the cache has a shape fixed by `(cfg, batch, max_len, dtype)`, and each sequence
+has its own length (`cache.lengths`, int32 `[B]`, flash-attn's `cache_seqlens`), so prompts of
+different lengths prefill in one call, each sequence decodes from its own position, and a jitted
+`decode_step` compiles once for a whole generation. The branch math is the XLA path's own chunk
+functions called with the new queries, so a decode step computes what a prefill over tokens
+`0..t` of that sequence computes at position t.
+
+A sequence whose cache has no room left is never written past `max_len`: with concrete lengths
+(eager calls) `prefill` / `decode_step` raise a `ValueError` naming the sequence; under `jit`
+(traced lengths) the call leaves that sequence's cache untouched, returns NaN as its outputs and
+sets `cache.overflow[b]` (sticky), which the caller checks after the loop.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 import chex
 import jax
@@ -18,7 +25,9 @@ from jax import lax
 
 from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_weights
 from nsa_jax import checks, dispatch
-from nsa_jax.layer import check_layer_inputs, combine, forward_unchecked, project
+from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
+                           kv_names, project)
+from nsa_jax.rope import apply_rope
 from nsa_jax.xla.common import einsum, merge_heads
 from nsa_jax.xla.compress import compress_blocks
 from nsa_jax.xla.compressed_attention import cmp_probabilities
@@ -26,18 +35,23 @@ from nsa_jax.xla.select_blocks import band_scores, sel_scores, top_blocks
 from nsa_jax.xla.selected_attention import selected_chunk
 from nsa_jax.xla.sliding_window import window_chunk
 
+DECODE_BACKENDS = ("xla", "pallas")
+BRANCHES = ("cmp", "sel", "win")
+
 
 class DecodeCache(NamedTuple):
     """Per-layer decode state (a pytree). `d` is d_k for keys and d_v for values.
 
-    k_sel, v_sel: `[B, max_len, G, d]` every past token (selected branch).
+    k_sel, v_sel: `[B, max_len, G, d]` every past token (selected branch), token s at index s.
     k_win, v_win: `[B, W, G, d]` ring buffer of the last `W = min(w, max_len)` tokens; token s
         sits in slot `s % W`.
     k_raw, v_raw: `[B, l, G, d]` ring buffer of the last `l` RoPE'd cmp-branch tokens, the
         input of the next compressed block; token s sits in slot `s % l`.
     k_cmp, v_cmp: `[B, C_max, G, d]` compressed blocks emitted so far, in block order
         (`C_max = max(1, num_cmp_blocks(cfg, max_len))`).
-    pos: int32 scalar, the number of tokens seen (the next token's position).
+    lengths: int32 `[B]`, tokens held per sequence (each sequence's next position).
+    overflow: bool `[B]`, set (and kept) when a traced call found no room for a sequence's
+        tokens; that call wrote nothing for it and returned NaN as its outputs.
     """
 
     k_sel: jax.Array
@@ -48,15 +62,20 @@ class DecodeCache(NamedTuple):
     v_raw: jax.Array
     k_cmp: jax.Array
     v_cmp: jax.Array
-    pos: jax.Array
+    lengths: jax.Array
+    overflow: jax.Array
 
     @property
     def max_len(self) -> int:
         return self.k_sel.shape[1]
 
+    @property
+    def batch(self) -> int:
+        return self.k_sel.shape[0]
+
 
 def init_cache(cfg: NSAConfig, batch: int, max_len: int, dtype=jnp.float32) -> DecodeCache:
-    """An empty cache for `batch` sequences of up to `max_len` tokens."""
+    """An empty cache for `batch` sequences of up to `max_len` tokens each."""
     checks.config(cfg)
     checks.positive_int("batch", batch)
     checks.positive_int("max_len", max_len)
@@ -71,179 +90,409 @@ def init_cache(cfg: NSAConfig, batch: int, max_len: int, dtype=jnp.float32) -> D
                        k_win=zeros(ring, dk), v_win=zeros(ring, dv),
                        k_raw=zeros(cfg.cmp_block, dk), v_raw=zeros(cfg.cmp_block, dv),
                        k_cmp=zeros(n_cmp, dk), v_cmp=zeros(n_cmp, dv),
-                       pos=jnp.zeros((), jnp.int32))
+                       lengths=jnp.zeros((batch,), jnp.int32),
+                       overflow=jnp.zeros((batch,), bool))
 
 
 def _check_cache(cache, cfg: NSAConfig, batch: int) -> None:
     if not isinstance(cache, DecodeCache):
         raise ValueError(f"cache must be a DecodeCache from init_cache, got {type(cache).__name__}")
-    expected = init_cache(cfg, batch, cache.max_len, cache.k_sel.dtype)
+    expected = jax.eval_shape(lambda: init_cache(cfg, batch, cache.max_len, cache.k_sel.dtype))
     for name, want, got in zip(DecodeCache._fields, expected, cache):
         if want.shape != got.shape:
             raise ValueError(f"cache.{name} has shape {got.shape}, expected {want.shape} "
                              f"(cache built for another cfg or batch size?)")
 
 
-def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
-            backend: dispatch.Backend = "xla", options=None, return_aux: bool = False):
-    """Run the layer over a prompt x `[B, T, d_model]` and fill an empty cache.
+def _check_room(cache: DecodeCache, new_tokens, what: str) -> None:
+    """ValueError naming the first sequence that `new_tokens` `[B]` would push past max_len
+    (only when the lengths are concrete: under jit the overflow flag takes over)."""
+    lengths, new = checks.concrete(cache.lengths), checks.concrete(new_tokens)
+    if lengths is None or new is None:
+        return
+    over = np.nonzero(lengths + new > cache.max_len)[0]
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"cache is full for sequence {b}: {what} adds {int(new[b])} token(s) "
+                         f"to its {int(lengths[b])}, over max_len {cache.max_len}")
 
-    -> `(y [B, T, d_model], cache)` with `cache.pos = T`, and `aux` (as in `nsa_attention`) last
-    when `return_aux`. The cache must be fresh (`pos = 0`) and `T <= max_len`.
+
+def backend_name(backend: dispatch.Backend) -> str:
+    """The decode path of `backend` (the forms `nsa_attention` takes): the first name of the
+    sequence that has one; a single name without a decode path is an error, never a fallback."""
+    names = dispatch.backend_names(backend)
+    usable = [name for name in names if name in DECODE_BACKENDS]
+    if not usable:
+        raise ValueError(f"backend ({backend!r}) has no decode path; decode runs on one of "
+                         f"{DECODE_BACKENDS}")
+    return usable[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill
+
+
+def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths=None,
+            backend: dispatch.Backend = "xla", options=None, return_aux: bool = False):
+    """Append a chunk of tokens to each sequence and attend: prompts, chunked prefill, or the
+    continuation of a conversation.
+
+    x `[B, T, d_model]`: row b holds `lengths[b]` new tokens (int `[B]`, default T; the rest of
+    the row is padding), at positions `cache.lengths[b] ..`. -> `(y [B, T, d_model], cache)`
+    (and `aux` as in `nsa_attention` last when `return_aux`); y is 0 at padding positions.
+
+    On a cache known to be empty (concrete `cache.lengths` all 0) this is the layer itself
+    (`nsa_attention` on `backend`); otherwise the new queries attend to the cache through the
+    XLA path's chunk functions (memory `O(B T H C)`: feed long continuations in chunks).
     """
     check_layer_inputs(params, x, cfg)
     B, T, _ = x.shape
     _check_cache(cache, cfg, B)
-    if T > cache.max_len:
-        raise ValueError(f"x has {T} tokens, more than the cache's max_len {cache.max_len}")
-    pos = checks.concrete(cache.pos)
-    if pos is not None and int(pos) != 0:
-        raise ValueError(f"prefill needs a fresh cache (cache.pos = {int(pos)})")
-    y, cache, aux = _prefill_jit(params, x, cache, cfg=cfg,
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    checks.array("lengths", lengths, 1, floating=False, integer=True)
+    if lengths.shape[0] != B:
+        raise ValueError(f"lengths has {lengths.shape[0]} entries, x has B = {B} sequences")
+    new = checks.concrete(lengths)
+    if new is not None and (np.any(new < 0) or np.any(new > T)):
+        raise ValueError(f"lengths ({new.tolist()}) must lie in [0, T = {T}]")
+    _check_room(cache, lengths, "prefill")
+    held = checks.concrete(cache.lengths)
+    fresh = held is not None and not np.any(held)
+    y, cache, aux = _prefill_jit(params, x, cache, jnp.asarray(lengths, jnp.int32), cfg=cfg,
                                  backend=dispatch.static_backend(backend),
-                                 options=dispatch.static_options(options))
+                                 options=dispatch.static_options(options), fresh=fresh)
     chex.assert_shape(y, x.shape)
     return (y, cache, aux) if return_aux else (y, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "options"))
-def _prefill_jit(params, x, cache: DecodeCache, *, cfg: NSAConfig, backend, options):
-    T = x.shape[1]
-    y, aux, proj, parts = forward_unchecked(params, x, None, cfg=cfg, backend=backend,
-                                            options=options, internals=True)
+def _rows(B: int) -> jax.Array:
+    return jnp.arange(B, dtype=jnp.int32)[:, None]
 
-    def ring_fill(buf, values):
-        """Write the last buf.shape[1] tokens of values `[B, T, G, d]` at slot token % size."""
-        size = buf.shape[1]
-        token = np.arange(max(0, T - size), T)
-        return buf.at[:, token % size].set(values[:, token].astype(buf.dtype))
 
-    dt = cache.k_sel.dtype
-    n_cmp = parts["k_cmp"].shape[1]
-    cache = DecodeCache(
-        k_sel=cache.k_sel.at[:, :T].set(proj["k_sel"].astype(dt)),
-        v_sel=cache.v_sel.at[:, :T].set(proj["v_sel"].astype(dt)),
-        k_win=ring_fill(cache.k_win, proj["k_win"]), v_win=ring_fill(cache.v_win, proj["v_win"]),
-        k_raw=ring_fill(cache.k_raw, proj["k_cmp"]), v_raw=ring_fill(cache.v_raw, proj["v_cmp"]),
-        k_cmp=cache.k_cmp.at[:, :n_cmp].set(parts["k_cmp"].astype(dt)),
-        v_cmp=cache.v_cmp.at[:, :n_cmp].set(parts["v_cmp"].astype(dt)),
-        pos=jnp.asarray(T, jnp.int32))
+def _put(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+    """buf `[B, S, ...]` with `values [B, T, ...]` written at `index [B, T]`; indices `>= S`
+    (the tokens not to write) are dropped, so a donated buffer is updated in place."""
+    return buf.at[_rows(buf.shape[0]), index].set(values.astype(buf.dtype), mode="drop")
+
+
+def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
+    """ring `[B, R, G, d]` (token s in slot s % R) -> `[B, R, G, d]`, tokens `first[b] ..
+    first[b] + R - 1` in token order."""
+    R = ring.shape[1]
+    slot = (first[:, None] + jnp.arange(R, dtype=jnp.int32)) % R
+    return jnp.take_along_axis(ring, slot[:, :, None, None], axis=1)
+
+
+def _append_tokens(cache: DecodeCache, proj: dict, pos, new) -> DecodeCache:
+    """Write the projected tokens `proj["k_*"] [B, T, G, d]` at positions `pos [B, T]`, of which
+    the first `new [B]` per row are real, into the token buffers and the two rings. Only the
+    last `R` tokens of a row go to a ring of R slots, so no two writes share a slot."""
+    B, T = pos.shape
+    i = jnp.arange(T, dtype=jnp.int32)[None]
+    real = i < new[:, None]
+
+    def ring_index(size):
+        return jnp.where(real & (i >= new[:, None] - size), pos % size, size)
+
+    sel_index = jnp.where(real, pos, cache.max_len)
+    win, raw = ring_index(cache.k_win.shape[1]), ring_index(cache.k_raw.shape[1])
+    return cache._replace(
+        k_sel=_put(cache.k_sel, proj["k_sel"], sel_index),
+        v_sel=_put(cache.v_sel, proj["v_sel"], sel_index),
+        k_win=_put(cache.k_win, proj["k_win"], win), v_win=_put(cache.v_win, proj["v_win"], win),
+        k_raw=_put(cache.k_raw, proj["k_cmp"], raw), v_raw=_put(cache.v_raw, proj["v_cmp"], raw))
+
+
+def _room(cache: DecodeCache, new) -> tuple[jax.Array, jax.Array]:
+    """(fits [B] bool, new tokens actually appended [B]): a sequence without room gets none."""
+    fits = cache.lengths + new <= cache.max_len
+    return fits, jnp.where(fits, new, 0).astype(jnp.int32)
+
+
+def _refuse(y: jax.Array, fits: jax.Array) -> jax.Array:
+    """NaN outputs for the sequences that had no room (never silent garbage)."""
+    return jnp.where(fits.reshape((-1,) + (1,) * (y.ndim - 1)), y, jnp.nan).astype(y.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "options", "fresh"))
+def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, backend, options,
+                 fresh: bool):
+    B, T, _ = x.shape
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    fits, new = _room(cache, lengths)
+    start = cache.lengths
+    pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)                  # [B, T]
+    end = start + new                                                      # [B]
+    mlp = cfg.compress == "mlp"
+    n_slots = cache.k_cmp.shape[1]
+    if fresh:
+        # Causal: the layer's outputs at a row's real tokens ignore the padding after them.
+        y, aux, proj, parts = forward_unchecked(params, x, None, cfg=cfg, backend=backend,
+                                                options=options, internals=True)
+        cache = _append_tokens(cache, proj, pos, new)
+        n_blocks = parts["k_cmp"].shape[1]
+        block = jnp.arange(n_blocks, dtype=jnp.int32)[None]
+        cmp_index = jnp.where(block * d + l - 1 < end[:, None], block, n_slots)
+        k_blocks, v_blocks = parts["k_cmp"], parts["v_cmp"]
+    else:
+        proj = project(params, x, cfg, pos)
+        # Blocks ending inside this chunk read up to l - 1 tokens before it: those are the raw
+        # ring's, so block j is the window [j*d, j*d + l) of (ring in token order ++ chunk).
+        def extended(ring, chunk):
+            return jnp.concatenate([_ordered_ring(ring, start - l), chunk.astype(ring.dtype)], 1)
+
+        k_ext = extended(cache.k_raw, proj["k_cmp"])                       # [B, l + T, G, d]
+        v_ext = extended(cache.v_raw, proj["v_cmp"])
+        first = jnp.maximum(0, -((l - 1 - start) // d))                    # ceil((start-l+1)/d)
+        block = first[:, None] + jnp.arange(-(-T // d), dtype=jnp.int32)   # [B, K]
+        token = block[..., None] * d - (start - l)[:, None, None] + jnp.arange(l, dtype=jnp.int32)
+        token = jnp.clip(token, 0, l + T - 1)                              # [B, K, l]
+
+        def blocks(ext, cmp_params):
+            gathered = jnp.take_along_axis(ext[:, None], token[..., None, None], axis=2)
+            return compress_blocks(gathered, cmp_params, cfg)              # [B, K, G, d]
+
+        k_blocks = blocks(k_ext, params["cmp_k"] if mlp else None)
+        v_blocks = blocks(v_ext, params["cmp_v"] if mlp else None)
+        last = block * d + l - 1
+        cmp_index = jnp.where((last < end[:, None]) & (block < n_slots), block, n_slots)
+        ring = cache.k_win.shape[1]
+        window_keys = dict(k=_ordered_ring(cache.k_win, start - ring),
+                           v=_ordered_ring(cache.v_win, start - ring))   # before the appends
+        cache = _append_tokens(cache, proj, pos, new)
+    cache = cache._replace(k_cmp=_put(cache.k_cmp, k_blocks, cmp_index),
+                           v_cmp=_put(cache.v_cmp, v_blocks, cmp_index))
+    if not fresh:
+        o_cmp, o_sel, o_win, block_idx = _attend_xla(proj["q"], cache, cfg, pos, BRANCHES,
+                                                     window_keys=window_keys, chunk=proj)
+        y, gates = combine(params, x, cfg, o_cmp, o_sel, o_win)
+        aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
+    real = jnp.arange(T, dtype=jnp.int32)[None] < new[:, None]
+    y = _refuse(jnp.where(real[..., None], y, 0), fits)
+    cache = cache._replace(lengths=end, overflow=cache.overflow | ~fits)
     return y, cache, aux
 
 
-def _ring_write(buf: jax.Array, values: jax.Array, slot) -> jax.Array:
-    """buf `[B, S, G, d]`, values `[B, 1, G, d]` -> buf with slot `slot` replaced."""
-    return lax.dynamic_update_slice_in_dim(buf, values.astype(buf.dtype), slot, axis=1)
-
-
-def _emit_block(cmp_buf: jax.Array, raw: jax.Array, cmp_params, cfg: NSAConfig, t, emit):
-    """Compress the ring `raw [B, l, G, d]` (tokens t-l+1..t) into slot (t+1-l)/d if `emit`."""
-    l = cfg.cmp_block
-    ordered = raw[:, (t - l + 1 + jnp.arange(l)) % l]                      # token order
-    block = compress_blocks(ordered, cmp_params, cfg).astype(cmp_buf.dtype)  # [B, G, d]
-    slot = jnp.clip((t + 1 - l) // cfg.cmp_stride, 0, cmp_buf.shape[1] - 1)
-    old = lax.dynamic_index_in_dim(cmp_buf, slot, axis=1, keepdims=False)
-    return lax.dynamic_update_index_in_dim(cmp_buf, jnp.where(emit, block, old), slot, axis=1)
+# ----------------------------------------------------------------------------------------------
+# One decode step
 
 
 def decode_read_bound(cfg: NSAConfig, t: jax.Array) -> jax.Array:
     """`nsa_common.decode_read_bound` in jnp: `max(0, (t+1-l)//d + 1) + n_sel*l_sel + w`."""
+    t = jnp.asarray(t, jnp.int32)
     cmp_blocks = jnp.maximum(0, (t + 1 - cfg.cmp_block) // cfg.cmp_stride + 1)
     return (cmp_blocks + cfg.n_sel * cfg.sel_block + cfg.window).astype(jnp.int32)
 
 
-DECODE_BACKENDS = ("xla", "pallas")
-
-
 def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
-                return_aux: bool = False, backend: str = "xla", options=None):
-    """Append one token per sequence and attend. x_t `[B, 1, d_model]`, token t = cache.pos.
+                return_aux: bool = False, backend: dispatch.Backend = "xla", options=None):
+    """Append one token per sequence and attend. x_t `[B, 1, d_model]`; sequence b's token sits
+    at position `t_b = cache.lengths[b]`.
 
-    backend: "xla" (the XLA path's chunk functions) or "pallas" (`pallas_kernels.decode`: one
+    backend: as in `nsa_attention` (a name or a sequence of names; the first with a decode path
+    runs): "xla" (the XLA path's chunk functions) or "pallas" (`pallas_kernels.decode`: one
     kernel for the compressed branch and the selection probabilities, one for the selected and
-    window branches; the block ranking stays in XLA). options: `{"pallas": PallasOptions(...)}`
-    (interpret mode, decode tile sizes).
+    window branches). options: `{"pallas": PallasOptions(...)}` (interpret mode, decode tiles).
+    Jit it with the cache donated (`donate_argnames="cache"`) so that the appends are in place,
+    and pass `prepare_decode_params(params, cfg)` for one projection GEMM per step.
 
     -> `(y_t [B, 1, d_model], cache, reads)`, plus `aux` (o_cmp, o_sel, o_win `[B, 1, H, d_v]`,
     gates `[B, 1, H, 3]`, block_idx int32 `[B, 1, G, n_sel]`) when `return_aux`.
-    reads: int32 scalars, tokens whose K and V this step loads per KV head: `cmp` (compressed
-    blocks available), `sel` (tokens <= t of the valid selected blocks; the largest over batch
-    rows and KV heads), `win` (`min(w, t + 1)`), `total`, and `bound` (the paper's formula).
-    `t` must stay below `max_len` (not checked under jit).
+    reads: int32 `[B]` per sequence, tokens whose K and V this step loads per KV head: `cmp`
+    (compressed blocks available), `sel` (tokens <= t of the valid selected blocks; the largest
+    over the KV heads), `win` (`min(w, t + 1)`), `total`, and `bound` (the paper's formula).
+    A full sequence raises (concrete lengths) or gets NaN and `cache.overflow` (traced).
     """
+    return decode_step_branches(params, x_t, cfg, cache, branches=BRANCHES,
+                                return_aux=return_aux, backend=backend, options=options)
+
+
+def decode_step_branches(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
+                         branches: Sequence[str], return_aux: bool = False,
+                         backend: dispatch.Backend = "xla", options=None):
+    """`decode_step` attending with only `branches` (a subset of ("cmp", "sel", "win"); the
+    others' outputs are 0): the benchmark's per-branch breakdown. The appends, the compression
+    MLP, the gates and the output projection run as in the full step; "sel" also runs the
+    compressed scores it selects with. `branches=()` times the step without attention."""
     check_layer_inputs(params, x_t, cfg)
     B = x_t.shape[0]
     if x_t.shape[1] != 1:
         raise ValueError(f"x_t must hold one token per sequence ([B, 1, d_model]), got "
                          f"{x_t.shape}")
-    if backend not in DECODE_BACKENDS:
-        raise ValueError(f"backend ({backend!r}) must be one of {DECODE_BACKENDS}")
+    branches = tuple(branches)
+    if any(b not in BRANCHES for b in branches):
+        raise ValueError(f"branches ({branches!r}) must be a subset of {BRANCHES}")
+    name = backend_name(backend)
     _check_cache(cache, cfg, B)
-    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=backend,
-                           options=dispatch.static_options(options))
+    _check_room(cache, np.ones((B,), np.int32), "decode_step")
+    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=name,
+                           options=dispatch.static_options(options), branches=branches)
     chex.assert_shape(out[0], x_t.shape)
     return out if return_aux else out[:3]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "options"))
-def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend: str = "xla",
-                     options=None):
-    B = x_t.shape[0]
-    l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
-    t = cache.pos
-    proj = project(params, x_t, cfg, t[None])
+STEP_WEIGHTS = "decode_w_qkv"
 
-    # Append token t everywhere, emitting compressed block (t+1-l)/d when it completes.
-    emit = (t + 1 >= l) & ((t + 1 - l) % d == 0)
+
+def prepare_decode_params(params, cfg: NSAConfig) -> dict:
+    """`params` plus `params["decode_w_qkv"]`: wq and every wk / wv side by side
+    (`[d_model, H*d_k + n_kv*G*(d_k + d_v)]`), concatenated once, so that a decode step computes
+    all its projections in one GEMM instead of one small GEMM per weight. `decode_step` uses it
+    when present (prepare again after changing the weights); the layer ignores it."""
+    plain = {key: value for key, value in params.items() if key != STEP_WEIGHTS}
+    check_params(plain, cfg)
+    names = kv_names(cfg)
+    parts = [params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+    return {**plain, STEP_WEIGHTS: jnp.concatenate(parts, axis=1)}
+
+
+def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
+    """`layer.project` of one token per sequence; one GEMM when the params are prepared."""
+    if STEP_WEIGHTS not in params:
+        return project(params, x_t, cfg, positions)
+    B, T, _ = x_t.shape
+    H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
+    names = kv_names(cfg)
+    fused = dense(x_t, params[STEP_WEIGHTS])
+    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names)
+    pieces = jnp.split(fused, np.cumsum(widths)[:-1], axis=-1)
+    rope = ((lambda a: a) if cfg.rope_theta is None
+            else (lambda a: apply_rope(a, positions, cfg.rope_theta)))
+    out = {"q": rope(pieces[0].reshape(B, T, H, dk))}
+    keys = {n: rope(p.reshape(B, T, G, dk)) for n, p in zip(names, pieces[1:1 + len(names)])}
+    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[1 + len(names):])}
+    for c in BRANCHES:
+        name = "shared" if cfg.shared_kv else c
+        out[f"k_{c}"], out[f"v_{c}"] = keys[name], values[name]
+    return out
+
+
+def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit) -> DecodeCache:
+    """Compress the raw rings (tokens `t-l+1 .. t` of each sequence) into slot `(t+1-l)/d` of
+    the sequences that `emit`; the compression MLP runs only on steps where one does."""
+    l, d = cfg.cmp_block, cfg.cmp_stride
     mlp = cfg.compress == "mlp"
-    k_raw = _ring_write(cache.k_raw, proj["k_cmp"], t % l)
-    v_raw = _ring_write(cache.v_raw, proj["v_cmp"], t % l)
-    ring = cache.k_win.shape[1]
-    cache = DecodeCache(
-        k_sel=_ring_write(cache.k_sel, proj["k_sel"], t),
-        v_sel=_ring_write(cache.v_sel, proj["v_sel"], t),
-        k_win=_ring_write(cache.k_win, proj["k_win"], t % ring),
-        v_win=_ring_write(cache.v_win, proj["v_win"], t % ring),
-        k_raw=k_raw, v_raw=v_raw,
-        k_cmp=_emit_block(cache.k_cmp, k_raw, params["cmp_k"] if mlp else None, cfg, t, emit),
-        v_cmp=_emit_block(cache.v_cmp, v_raw, params["cmp_v"] if mlp else None, cfg, t, emit),
-        pos=t + 1)
-
-    q, scale = proj["q"], cfg.scale
-    q_pos = jnp.full((B, 1), t, jnp.int32)
-    zeros = jnp.zeros((B, 1), jnp.int32)
-
-    if backend == "pallas":
-        o_cmp, o_sel, o_win, block_idx = _attend_pallas(q, cache, cfg, t, dict(options or ()))
-        return _finish_step(params, x_t, cfg, cache, t, q, o_cmp, o_sel, o_win, block_idx)
-
-    # Compressed branch and selection scores: block i is admissible iff i*d + l - 1 <= t.
     n_slots = cache.k_cmp.shape[1]
-    cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
-    p_cmp, _ = cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
-                                 jnp.zeros((n_slots,), jnp.int32), scale)
-    o_cmp = merge_heads(einsum("bqghc,bcgd->bqghd", p_cmp, cache.v_cmp, p_cmp.dtype))
-    overlap = jnp.asarray(overlap_weights(cfg, n_slots, num_sel_blocks(cfg, cache.max_len)))
-    block_idx = top_blocks(sel_scores(lax.stop_gradient(p_cmp), overlap.astype(p_cmp.dtype)),
-                           q_pos[..., None], cfg)                          # [B, 1, G, n_sel]
+    slot = jnp.where(emit, (t + 1 - l) // d, n_slots)[:, None]           # [B, 1], n_slots: none
 
-    o_sel = selected_chunk(q, cache.k_sel, cache.v_sel, block_idx, q_pos, zeros, l_sel, scale)
-    ring_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring       # token in each slot
-    o_win = window_chunk(q, cache.k_win, cache.v_win, ring_token, q_pos, zeros, cfg.window,
-                         scale)
-    return _finish_step(params, x_t, cfg, cache, t, q, o_cmp.astype(q.dtype), o_sel, o_win,
-                        block_idx)
+    def write(cache):
+        k_block = compress_blocks(_ordered_ring(cache.k_raw, t - l + 1),
+                                  params["cmp_k"] if mlp else None, cfg)
+        v_block = compress_blocks(_ordered_ring(cache.v_raw, t - l + 1),
+                                  params["cmp_v"] if mlp else None, cfg)
+        return cache._replace(k_cmp=_put(cache.k_cmp, k_block[:, None], slot),
+                              v_cmp=_put(cache.v_cmp, v_block[:, None], slot))
+
+    return lax.cond(jnp.any(emit), write, lambda cache: cache, cache)
 
 
-def _attend_pallas(q, cache: DecodeCache, cfg: NSAConfig, t, options: dict):
-    """The three branch outputs `[B, 1, H, d_v]` and block_idx `[B, 1, G, n_sel]` of token t
-    through `pallas_kernels.decode`."""
-    o_cmp, p_group = pallas_compressed(q, cache, cfg, t, options)
-    block_idx, o_sel, o_win = pallas_selected_window(q, cache, cfg, t, p_group, options)
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "options", "branches"))
+def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend: str,
+                     options, branches: tuple):
+    l, d = cfg.cmp_block, cfg.cmp_stride
+    fits, new = _room(cache, jnp.ones_like(cache.lengths))
+    t = cache.lengths                                                      # [B]
+    proj = _project_step(params, x_t, cfg, t[:, None])
+    cache = _append_tokens(cache, proj, t[:, None], new)
+    emit = fits & (t + 1 >= l) & ((t + 1 - l) % d == 0)
+    cache = _emit_blocks(cache, params, cfg, t, emit)
+
+    q = proj["q"]
+    if backend == "pallas":
+        o_cmp, o_sel, o_win, block_idx = _attend_pallas(q, cache, cfg, t, dict(options or ()),
+                                                        branches)
+    else:
+        o_cmp, o_sel, o_win, block_idx = _attend_xla(q, cache, cfg, t[:, None], branches)
+    y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
+    reads = step_reads(cfg, t, block_idx)
+    aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
+    cache = cache._replace(lengths=t + new, overflow=cache.overflow | ~fits)
+    return _refuse(y, fits), cache, reads, aux
+
+
+def step_reads(cfg: NSAConfig, t: jax.Array, block_idx: jax.Array) -> dict:
+    """Tokens a step at positions t `[B]` loads per KV head (int32 `[B]` each), with the
+    selected blocks block_idx `[B, 1, G, n_sel]` (-1 = none)."""
+    l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
+    t_b = t[:, None, None, None]
+    block_tokens = jnp.minimum(l_sel, t_b - block_idx * l_sel + 1)
+    sel = jnp.max(jnp.sum(jnp.where(block_idx >= 0, block_tokens, 0), axis=-1), axis=(1, 2))
+    cmp = jnp.maximum(0, (t + 1 - l) // d + 1)
+    win = jnp.minimum(cfg.window, t + 1)
+    reads = dict(cmp=cmp, sel=sel, win=win, total=cmp + sel + win,
+                 bound=decode_read_bound(cfg, t))
+    return {k: v.astype(jnp.int32) for k, v in reads.items()}
+
+
+def _attend_xla(q, cache: DecodeCache, cfg: NSAConfig, q_pos, branches, *, window_keys=None,
+                chunk=None):
+    """The branch outputs `[B, Q, H, d_v]` (0 for branches not asked for) and block_idx
+    `[B, Q, G, n_sel]` of queries q `[B, Q, H, d_k]` at positions q_pos `[B, Q]`, on a cache
+    that already holds them.
+
+    Window keys: by default the ring (a decode step's query is its newest token). A chunk of
+    several queries needs the tokens before the chunk too: `window_keys` (the ring in token
+    order, tokens `q_pos[:, 0] - W ..`) and `chunk` (the chunk's own `k_win` / `v_win`).
+    """
+    B, Q = q_pos.shape
+    l, d, l_sel, scale = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.scale
+    zeros = jnp.zeros((B, Q), jnp.int32)
+    o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
+    o_cmp = o_sel = o_win = o_zero
+    block_idx = jnp.full((B, Q, cfg.n_kv_heads, cfg.n_sel), -1, jnp.int32)
+    if "cmp" in branches or "sel" in branches:
+        # Block i is admissible iff i*d + l - 1 <= t.
+        n_slots = cache.k_cmp.shape[1]
+        cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
+        p_cmp, _ = cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
+                                     jnp.zeros((n_slots,), jnp.int32), scale)
+        if "cmp" in branches:
+            o_cmp = merge_heads(einsum("bqghc,bcgd->bqghd", p_cmp, cache.v_cmp,
+                                       p_cmp.dtype)).astype(q.dtype)
+    if "sel" in branches:
+        overlap = jnp.asarray(overlap_weights(cfg, n_slots, num_sel_blocks(cfg, cache.max_len)))
+        block_idx = top_blocks(sel_scores(lax.stop_gradient(p_cmp), overlap.astype(p_cmp.dtype)),
+                               q_pos[..., None], cfg)                      # [B, Q, G, n_sel]
+        o_sel = selected_chunk(q, cache.k_sel, cache.v_sel, block_idx, q_pos, zeros, l_sel,
+                               scale)
+    if "win" in branches:
+        if window_keys is None:
+            ring = cache.k_win.shape[1]
+            t = q_pos[:, :1]
+            key_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring  # token per slot
+            k_win, v_win = cache.k_win, cache.v_win
+        else:
+            ring = window_keys["k"].shape[1]
+            first = q_pos[:, :1] - ring
+            key_token = first + jnp.arange(ring + Q, dtype=jnp.int32)
+            k_win = jnp.concatenate([window_keys["k"], chunk["k_win"].astype(cache.k_win.dtype)], 1)
+            v_win = jnp.concatenate([window_keys["v"], chunk["v_win"].astype(cache.v_win.dtype)], 1)
+        o_win = window_chunk(q, k_win, v_win, key_token[:, None], q_pos, zeros, cfg.window, scale)
     return o_cmp, o_sel, o_win, block_idx
 
 
-def _pallas_run_options(options: dict) -> dict:
+def _attend_pallas(q, cache: DecodeCache, cfg: NSAConfig, t, options: dict, branches):
+    """`_attend_xla` of one query per sequence through `pallas_kernels.decode`."""
+    B = q.shape[0]
+    o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
+    o_cmp = o_sel = o_win = o_zero
+    block_idx = jnp.full((B, 1, cfg.n_kv_heads, cfg.n_sel), -1, jnp.int32)
+    if "cmp" in branches or "sel" in branches:
+        o_cmp_k, p_group = pallas_compressed(q, cache, cfg, t, options)
+        if "cmp" in branches:
+            o_cmp = o_cmp_k
+    if "sel" in branches:
+        block_idx = pallas_select(p_group, cache, cfg, t)
+    if "sel" in branches or "win" in branches:
+        # One kernel runs both; without "sel" it gets no blocks and reads only the window.
+        o_sel_k, o_win_k = pallas_selected_window(q, cache, cfg, t, block_idx, options)
+        o_sel = o_sel_k if "sel" in branches else o_zero
+        o_win = o_win_k if "win" in branches else o_zero
+    return o_cmp, o_sel, o_win, block_idx
+
+
+def _pallas_run_options(options: Optional[dict]) -> dict:
     from nsa_jax.pallas_backend import DEFAULT_OPTIONS
 
     opts = dict(options or ()).get("pallas", DEFAULT_OPTIONS)
@@ -251,8 +500,9 @@ def _pallas_run_options(options: dict) -> dict:
 
 
 def pallas_compressed(q, cache: DecodeCache, cfg: NSAConfig, t, options=None):
-    """Decode's compressed branch on the Pallas kernel: `(o_cmp [B, 1, H, d_v], p_group
-    [B, G, C])`, p_group being the selection probabilities summed over each group's heads."""
+    """Decode's compressed branch on the Pallas kernel, queries q `[B, 1, H, d_k]` at positions
+    t `[B]`: `(o_cmp [B, 1, H, d_v], p_group [B, G, C])`, p_group being the selection
+    probabilities summed over each group's heads."""
     from pallas_kernels import decode as kernels
 
     o_cmp, _, p_group = kernels.decode_compressed(
@@ -261,33 +511,20 @@ def pallas_compressed(q, cache: DecodeCache, cfg: NSAConfig, t, options=None):
     return o_cmp[:, None], p_group
 
 
-def pallas_selected_window(q, cache: DecodeCache, cfg: NSAConfig, t, p_group, options=None):
-    """Rank the blocks from `p_group` and run the selected + window kernel:
-    `(block_idx [B, 1, G, n_sel], o_sel, o_win [B, 1, H, d_v])`."""
+def pallas_select(p_group, cache: DecodeCache, cfg: NSAConfig, t):
+    """Rank the selection blocks from `p_group [B, G, C]` at positions t `[B]`:
+    block_idx int32 `[B, 1, G, n_sel]`."""
+    scores = band_scores(p_group, cfg, num_sel_blocks(cfg, cache.max_len))    # [B, G, S]
+    return top_blocks(scores[:, None], t[:, None, None], cfg)
+
+
+def pallas_selected_window(q, cache: DecodeCache, cfg: NSAConfig, t, block_idx, options=None):
+    """The selected + window kernel: `(o_sel, o_win [B, 1, H, d_v])` of the queries q
+    `[B, 1, H, d_k]` at positions t `[B]` with blocks block_idx `[B, 1, G, n_sel]`."""
     from pallas_kernels import decode as kernels
 
-    scores = band_scores(p_group, cfg, num_sel_blocks(cfg, cache.max_len))     # [B, G, S]
-    q_pos = jnp.full((q.shape[0], 1), t, jnp.int32)
-    block_idx = top_blocks(scores[:, None], q_pos[..., None], cfg)            # [B, 1, G, n_sel]
     o_sel, o_win = kernels.decode_selected_window(
         q[:, 0], cache.k_sel, cache.v_sel, block_idx[:, 0], cache.k_win, cache.v_win, t,
         sel_block=cfg.sel_block, window=cfg.window, scale=cfg.scale,
         **_pallas_run_options(options))
-    return block_idx, o_sel[:, None], o_win[:, None]
-
-
-def _finish_step(params, x_t, cfg: NSAConfig, cache: DecodeCache, t, q, o_cmp, o_sel, o_win,
-                 block_idx):
-    """Gate and project the branch outputs; count the tokens read."""
-    l, d, l_sel = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block
-    y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
-
-    block_tokens = jnp.minimum(l_sel, t - block_idx * l_sel + 1)
-    sel_reads = jnp.max(jnp.sum(jnp.where(block_idx >= 0, block_tokens, 0), axis=-1))
-    cmp_reads = jnp.maximum(0, (t + 1 - l) // d + 1)
-    win_reads = jnp.minimum(cfg.window, t + 1)
-    reads = dict(cmp=cmp_reads, sel=sel_reads, win=win_reads,
-                 total=cmp_reads + sel_reads + win_reads, bound=decode_read_bound(cfg, t))
-    reads = {k: v.astype(jnp.int32) for k, v in reads.items()}
-    aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
-    return y, cache, reads, aux
+    return o_sel[:, None], o_win[:, None]

@@ -114,11 +114,14 @@ def head_spec(axes: MeshAxes = MeshAxes()) -> P:
 
 def cache_specs(cfg: NSAConfig, axes: MeshAxes = MeshAxes()) -> DecodeCache:
     """The `PartitionSpec` of every `DecodeCache` field: `[B, len, G, d]` arrays split the batch
-    over data and the KV heads over model; `pos` is replicated. Decode is not context-sharded
-    (one token per step): the cache is replicated over a context axis."""
+    over data and the KV heads over model; the per-sequence `lengths` and `overflow` `[B]` split
+    over data. Decode is not context-sharded (one token per step): the cache is replicated over
+    a context axis."""
     del cfg  # every field has the same layout; kept for symmetry with param_specs
     kv = P(axes.data, None, axes.model, None)
-    return DecodeCache(**{name: kv for name in DecodeCache._fields if name != "pos"}, pos=P())
+    per_sequence = ("lengths", "overflow")
+    return DecodeCache(**{name: kv for name in DecodeCache._fields if name not in per_sequence},
+                       **{name: P(axes.data) for name in per_sequence})
 
 
 def _aux_specs(axes: MeshAxes) -> dict:
@@ -429,18 +432,19 @@ def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCac
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "axes", "backend", "options"))
 def _sharded_decode_step(params, x_t, cache, *, cfg, mesh, axes, backend, options):
     local_cfg = local_config(cfg, mesh, axes)
-    spread = tuple(name for name in (axes.data, axes.model) if name is not None)
 
     def body(params, x_t, cache):
         y, cache, reads, aux = decode_step(params, x_t, local_cfg, cache, return_aux=True,
                                            backend=backend,
                                            options=dict(options) if options else None)
-        sel = lax.pmax(reads["sel"], spread) if spread else reads["sel"]
+        # Reads are per sequence `[B]`; a model shard holds some of the groups, and the count
+        # is the most any group of the sequence read.
+        sel = lax.pmax(reads["sel"], axes.model) if axes.model else reads["sel"]
         reads = dict(reads, sel=sel, total=reads["cmp"] + sel + reads["win"])
         return _sum_over_model(y, axes), cache, reads, aux
 
     specs = cache_specs(cfg, axes)
-    reads_specs = {name: P() for name in ("cmp", "sel", "win", "total", "bound")}
+    reads_specs = {name: P(axes.data) for name in ("cmp", "sel", "win", "total", "bound")}
     return shard_map(body, mesh, in_specs=(param_specs(cfg, axes), input_spec(axes), specs),
                      out_specs=(input_spec(axes), specs, reads_specs, _aux_specs(axes)),
                      check=_xla_only(backend))(params, x_t, cache)

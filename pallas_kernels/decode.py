@@ -1,7 +1,8 @@
 """NSA decode attention as Pallas GPU kernels: one new query per sequence, forward only.
 
-A decode step attends one token per batch row, at position `t` (the same for every row: the
-cache's position), with the K/V already in the cache. The XLA decode path runs this as a dozen
+A decode step attends one token per batch row, at that row's position `t[b]` (each sequence of
+the cache has its own length), with the K/V already in the cache. The XLA decode path runs this
+as a dozen
 small XLA ops per branch and upcasts through float32 matmuls; here each branch is one pass over
 exactly the keys it reads, one program per (batch row, KV head) holding the group's `h` query
 heads as rows (padded to the 16 a matrix-unit product needs).
@@ -67,12 +68,24 @@ class DecodeBlockSizes:
 
     block_cmp: compressed slots per tile; block_win: window ring slots per tile (both powers of
     two >= 16). The selected branch's tile is the selection block (rounded up to a power of 2).
+    Split-KV (flash-decoding): each (batch row, KV head) is split over up to `max_splits`
+    programs, each taking a contiguous share of the compressed tiles (resp. of the selected
+    blocks and the window tiles), until the grid holds `target_programs` programs; a combine
+    step merges their partial softmaxes. A small batch then still fills the GPU (one program
+    per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
     """
 
     block_cmp: int = 64
     block_win: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    target_programs: int = 264
+    max_splits: int = 64
+
+    def splits(self, rows: int, units: int) -> int:
+        """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
+        work each (tiles or blocks): enough to reach target_programs, at most one per unit."""
+        return max(1, min(self.max_splits, units, -(-self.target_programs // rows)))
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -83,6 +96,12 @@ def _tile(first, size: int, length: int):
     `length >= size` slots without running past its end, and the `[1, size]` slot indices."""
     start = jnp.minimum(first, length - size)
     return start, start + lax.broadcasted_iota(jnp.int32, (1, size), 1)
+
+
+def _score_tile(s_ref, start, size: int):
+    """The `[rows, size]` view of the score row `s_ref` from slot `start`: every index int32
+    (a bare `:` would be int64 under jax_enable_x64, which the store rejects)."""
+    return s_ref.at[pl.ds(jnp.int32(0), s_ref.shape[0]), pl.ds(start, size)]
 
 
 def _online_step(carry, s, v):
@@ -115,19 +134,25 @@ def _finish(carry):
 
 
 def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
-                cmp_stride, block, n_cmp):
-    """t_ref [1]; q_ref [h_pad, dk_pad]; k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from
-    n_cmp on are padding); o_ref [h_pad, dv_pad]; lse_ref [h_pad] (natural log);
-    s_ref [h_pad, C_pad] (log2 scores)."""
+                cmp_stride, block, n_cmp, tiles_per_split):
+    """Grid (batch row, KV head, split). t_ref [1] (this row's position); q_ref [h_pad, dk_pad];
+    k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from n_cmp on are padding); this
+    split's partial softmax over its tiles: o_ref [h_pad, dv_pad] (float32, normalised),
+    lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, C_pad] (log2 scores: each
+    split writes only its own slots)."""
     n_slots = k_ref.shape[0]
     t = t_ref[0]
     # Blocks visible to t: i*d + l - 1 <= t, written with a non-negative numerator (Triton's
-    # integer division truncates).
-    visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0), cmp_stride),
-                          n_cmp)
+    # integer division truncates). lax.div / lax.rem take int32 constants explicitly: with
+    # jax_enable_x64 a Python int would be int64.
+    visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0),
+                                  jnp.int32(cmp_stride)), n_cmp)
     q = q_ref[...]
     scale_log2 = scale * LOG2_E
-    n_tiles = lax.div(visible + block - 1, block)
+    first_tile = pl.program_id(2) * tiles_per_split
+    end_tile = jnp.minimum(first_tile + tiles_per_split, -(-n_slots // block))
+    live_end = jnp.maximum(first_tile, jnp.minimum(end_tile, lax.div(visible + block - 1,
+                                                                            jnp.int32(block))))
 
     def visit(i, carry):
         first = i * block
@@ -136,35 +161,41 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         v = v_ref[pl.ds(start, block), :]
         s = jnp.where((slot >= first) & (slot < visible), _dot(q, k, trans_b=True) * scale_log2,
                       MASK)
+        # A tile shifted back to end at the array's end re-reads slots of the tile before it:
+        # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
-        pltriton.store(s_ref.at[:, pl.ds(start, block)], s, mask=new)
+        pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
         return _online_step(carry, s, v)
 
-    carry = lax.fori_loop(0, n_tiles, visit, _init(*o_ref.shape))
+    carry = lax.fori_loop(first_tile, live_end, visit, _init(*o_ref.shape))
 
     def blank(i, unused):
         first = i * block
         start, slot = _tile(first, block, n_slots)
         rows = s_ref.shape[0]
-        pltriton.store(s_ref.at[:, pl.ds(start, block)], jnp.full((rows, block), MASK, jnp.float32),
+        pltriton.store(_score_tile(s_ref, start, block), jnp.full((rows, block), MASK, jnp.float32),
                        mask=jnp.broadcast_to(slot >= first, (rows, block)))
         return unused
 
-    lax.fori_loop(n_tiles, lax.div(n_slots + block - 1, block), blank, 0)
+    lax.fori_loop(live_end, end_tile, blank, 0)
     o, lse_log2 = _finish(carry)
-    o_ref[...] = o.astype(o_ref.dtype)
-    lse_ref[...] = lse_log2 * LN_2
+    o_ref[...] = o
+    lse_ref[...] = lse_log2
 
 
-def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ow_ref, *,
-                    scale, sel_block, tile, window, block_win, ring):
-    """t_ref [1]; idx_ref [n_sel_pad] (-1 = none); q_ref [h_pad, dk_pad];
-    ks_ref [L, dk_pad], vs_ref [L, dv_pad] (every token); kw_ref [W_pad, dk_pad],
-    vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot s < ring holds token
-    t - (t - s) mod ring); os_ref, ow_ref [h_pad, dv_pad]."""
+def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ls_ref,
+                    ow_ref, lw_ref, *, scale, sel_block, tile, window, block_win, ring,
+                    blocks_per_split, ring_tiles_per_split):
+    """Grid (batch row, KV head, split). t_ref [1] (this row's position); idx_ref [n_sel_pad]
+    (-1 = none); q_ref [h_pad, dk_pad]; ks_ref [L, dk_pad], vs_ref [L, dv_pad] (every token);
+    kw_ref [W_pad, dk_pad], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
+    s < ring holds token t - (t - s) mod ring). This split's partial softmaxes over its share of
+    the selected blocks and of the ring tiles: os_ref, ow_ref [h_pad, dv_pad] (float32,
+    normalised), ls_ref, lw_ref [h_pad] (log2, -inf if none)."""
     t = t_ref[0]
     q = q_ref[...]
     scale_log2 = scale * LOG2_E
+    split = pl.program_id(2)
     length, ring_pad = ks_ref.shape[0], kw_ref.shape[0]
 
     def visit_block(slot, carry):
@@ -178,24 +209,40 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
-    carry = lax.fori_loop(0, idx_ref.shape[0], visit_block, _init(*os_ref.shape))
-    o_sel, _ = _finish(carry)
-    os_ref[...] = o_sel.astype(os_ref.dtype)
+    first_block = split * blocks_per_split
+    carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
+                          _init(*os_ref.shape))
+    os_ref[...], ls_ref[...] = _finish(carry)
 
     def visit_ring(i, carry):
         first = i * block_win
         start, slot = _tile(first, block_win, ring_pad)
         k = kw_ref[pl.ds(start, block_win), :]
         v = vw_ref[pl.ds(start, block_win), :]
-        token = t - lax.rem(t - slot + ring, ring)   # > 0 for real slots (s < ring): the modulo
+        # >= 0 for real slots (s < ring): the modulo's argument is positive.
+        token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
         s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
-    n_ring_tiles = -(-ring_pad // block_win)
-    carry = lax.fori_loop(0, n_ring_tiles, visit_ring, _init(*ow_ref.shape))
-    o_win, _ = _finish(carry)
-    ow_ref[...] = o_win.astype(ow_ref.dtype)
+    first_tile = split * ring_tiles_per_split
+    end_tile = jnp.minimum(first_tile + ring_tiles_per_split, -(-ring_pad // block_win))
+    carry = lax.fori_loop(first_tile, jnp.maximum(first_tile, end_tile), visit_ring,
+                          _init(*ow_ref.shape))
+    ow_ref[...], lw_ref[...] = _finish(carry)
+
+
+def combine_splits(o_part, lse_part):
+    """Merge split-KV partial softmaxes: o_part `[..., S, h, dv]` (each normalised over its own
+    keys), lse_part `[..., S, h]` (log2, -inf for a split without keys) -> (o `[..., h, dv]`,
+    lse `[..., h]` log2; o = 0 and lse = -inf where no split saw a key)."""
+    m = jnp.max(lse_part, axis=-2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    weight = jnp.where(jnp.isfinite(lse_part), jnp.exp2(lse_part - m[..., None, :]), 0.0)
+    total = jnp.sum(weight, axis=-2)
+    safe = jnp.where(total > 0, total, 1.0)
+    o = jnp.sum(weight[..., None] * o_part, axis=-3) / safe[..., None]
+    return o, jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,12 +272,14 @@ def _cache(x, min_len: int, d_pad: int):
     return pad_axis(pad_axis(x, 1, max(min_len, x.shape[1])), 3, d_pad)
 
 
-def _position(t):
+def _positions(t, batch: int):
+    """t: an int scalar (every sequence at the same position) or int `[B]` (each sequence's
+    own) -> int32 `[B]`, the array the kernels read one entry of per program."""
     t = jnp.asarray(t)
-    if t.shape != () or not jnp.issubdtype(t.dtype, jnp.integer):
-        raise ValueError(f"t must be an integer scalar (the query's position), got "
-                         f"{t.dtype}{list(t.shape)}")
-    return t.astype(jnp.int32).reshape(1)
+    if t.shape not in ((), (batch,)) or not jnp.issubdtype(t.dtype, jnp.integer):
+        raise ValueError(f"t must be an integer scalar or [B={batch}] (the query positions), "
+                         f"got {t.dtype}{list(t.shape)}")
+    return jnp.broadcast_to(t.astype(jnp.int32), (batch,))
 
 
 def _check_group_inputs(q, caches: dict, d_v_of: str):
@@ -259,7 +308,7 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
                       interpret: bool = False, implementation: str = "triton"):
     """Compressed attention of one query per sequence, and its selection probabilities.
 
-    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_cmp `[B, C, G, d_k]`,
+    q `[B, H, d_k]` at positions `t` (int scalar or `[B]`, may be traced); k_cmp `[B, C, G, d_k]`,
     v_cmp `[B, C, G, d_v]`: compressed slots in block order (slot i is admissible iff
     `i*cmp_stride + cmp_block - 1 <= t`; later slots are ignored whatever they hold).
     Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, p_group [B, G, C] float32)`:
@@ -271,35 +320,43 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
     if k_cmp.shape[1] != v_cmp.shape[1]:
         raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
-    t = _position(t)
+    t = _positions(t, B)
     if implementation == "xla":
-        return decode_compressed_reference(q, k_cmp, v_cmp, t[0], cmp_block=cmp_block,
+        return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
     bs = block_sizes or DecodeBlockSizes()
     h, C = H // G, k_cmp.shape[1]
     dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(H // G)
     kc, vc = _cache(k_cmp, bs.block_cmp, dk_pad), _cache(v_cmp, bs.block_cmp, dv_pad)
     n_slots = kc.shape[1]
+    n_tiles = -(-n_slots // bs.block_cmp)
+    splits = bs.splits(B * G, n_tiles)
     kernel = functools.partial(_cmp_kernel, scale=float(scale), cmp_block=cmp_block,
-                               cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C)
-    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),
-                                           lambda b, g: (b, g) + (0,) * len(tail))
-    cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d), lambda b, g: (b, 0, g, 0))
-    o, lse, s = _pallas_call(
-        kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret, grid=(B, G),
-        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(h_pad, dk_pad),
+                               cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C,
+                               tiles_per_split=-(-n_tiles // splits))
+    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
+                                           lambda b, g, i: (b, g) + (0,) * len(tail))
+    per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731
+                                           lambda b, g, i: (b, g, i) + (0,) * len(tail))
+    cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
+                                        lambda b, g, i: (b, 0, g, 0))
+    o_part, lse_part, s = _pallas_call(
+        kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret,
+        grid=(B, G, splits),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
-        out_specs=[per_group(h_pad, dv_pad), per_group(h_pad), per_group(h_pad, n_slots)],
-        out_shape=[jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), q.dtype),
-                   jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32),
+        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_slots)],
+        out_shape=[jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, h_pad, n_slots), jnp.float32)],
     )(t, _query_rows(q, G, dk_pad), kc, vc)
-    lse = lse[:, :, :h]
+    o, lse_log2 = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
     # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
-    lse_log2 = jnp.where(jnp.isfinite(lse), lse * LOG2_E, 0.0)
     s = s[:, :, :h, :C]
-    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - lse_log2[..., None]), 0.0), axis=2)
-    return (o[:, :, :h, :dv].reshape(B, H, dv), lse.reshape(B, H), p_group)
+    finite = jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0)
+    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - finite[..., None]), 0.0), axis=2)
+    lse = lse_log2 * LN_2
+    return o.astype(q.dtype).reshape(B, H, dv), lse.reshape(B, H), p_group
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
@@ -308,7 +365,7 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                            interpret: bool = False, implementation: str = "triton"):
     """Selected and sliding-window attention of one query per sequence.
 
-    q `[B, H, d_k]` at position `t` (int scalar, may be traced); k_sel `[B, L, G, d_k]`,
+    q `[B, H, d_k]` at positions `t` (int scalar or `[B]`, may be traced); k_sel `[B, L, G, d_k]`,
     v_sel `[B, L, G, d_v]`: every cached token by position (tokens after t are ignored);
     block_idx int `[B, G, n_sel]` (-1 = none; block j is tokens `[j*sel_block, (j+1)*sel_block)`);
     k_win `[B, W, G, d_k]`, v_win `[B, W, G, d_v]`: the ring buffer, token s in slot `s mod W`
@@ -321,9 +378,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
         raise ValueError(f"block_idx must be [B={B}, G={G}, n_sel], got shape {block_idx.shape}")
     if v_win.shape[3] != dv:
         raise ValueError(f"v_win has d_v {v_win.shape[3]}, v_sel has {dv}")
-    t = _position(t)
+    t = _positions(t, B)
     if implementation == "xla":
-        return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t[0],
+        return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t,
                                                 sel_block=sel_block, window=window, scale=scale)
     bs = block_sizes or DecodeBlockSizes()
     h = H // G
@@ -332,26 +389,39 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     ks, vs = _cache(k_sel, tile, dk_pad), _cache(v_sel, tile, dv_pad)
     kw, vw = _cache(k_win, bs.block_win, dk_pad), _cache(v_win, bs.block_win, dv_pad)
     ring = k_win.shape[1]
-    n_sel_pad = next_pow2(block_idx.shape[2])
+    n_sel, n_ring_tiles = block_idx.shape[2], -(-kw.shape[1] // bs.block_win)
+    splits = bs.splits(B * G, max(n_sel, n_ring_tiles))
+    blocks_per_split = -(-n_sel // splits)
+    n_sel_pad = next_pow2(splits * blocks_per_split)
     idx = pad_axis(block_idx.astype(jnp.int32), 2, n_sel_pad, value=-1)
     kernel = functools.partial(_sel_win_kernel, scale=float(scale), sel_block=sel_block,
-                               tile=tile, window=window, block_win=bs.block_win, ring=ring)
-    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),
-                                           lambda b, g: (b, g) + (0,) * len(tail))
-    cache_spec = lambda n, d: pl.BlockSpec((None, n, None, d), lambda b, g: (b, 0, g, 0))
-    out = jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), q.dtype)
-    o_sel, o_win = _pallas_call(
+                               tile=tile, window=window, block_win=bs.block_win, ring=ring,
+                               blocks_per_split=blocks_per_split,
+                               ring_tiles_per_split=-(-n_ring_tiles // splits))
+    per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
+                                           lambda b, g, i: (b, g) + (0,) * len(tail))
+    per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731
+                                           lambda b, g, i: (b, g, i) + (0,) * len(tail))
+    cache_spec = lambda n, d: pl.BlockSpec((None, n, None, d),                 # noqa: E731
+                                           lambda b, g, i: (b, 0, g, 0))
+    o_part = jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32)
+    lse_part = jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32)
+    os_part, ls_part, ow_part, lw_part = _pallas_call(
         kernel, name="nsa_decode_selected_window", block_sizes=bs, interpret=interpret,
-        grid=(B, G),
-        in_specs=[pl.BlockSpec((1,), lambda b, g: (0,)), per_group(n_sel_pad),
+        grid=(B, G, splits),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(n_sel_pad),
                   per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),
                   cache_spec(ks.shape[1], dv_pad), cache_spec(kw.shape[1], dk_pad),
                   cache_spec(kw.shape[1], dv_pad)],
-        out_specs=[per_group(h_pad, dv_pad), per_group(h_pad, dv_pad)],
-        out_shape=[out, out],
+        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad)] * 2,
+        out_shape=[o_part, lse_part] * 2,
     )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
-    unpad = lambda o: o[:, :, :h, :dv].reshape(B, H, dv)
-    return unpad(o_sel), unpad(o_win)
+
+    def merged(o_part, lse_part):
+        o, _ = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
+        return o.astype(q.dtype).reshape(B, H, dv)
+
+    return merged(os_part, ls_part), merged(ow_part, lw_part)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +451,8 @@ def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_strid
     B, H, dk = q.shape
     G, C = k_cmp.shape[2], k_cmp.shape[1]
     qg = q.reshape(B, G, H // G, dk)
-    slot = jnp.arange(C)
+    t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (B,))[:, None, None]
+    slot = jnp.arange(C, dtype=jnp.int32)
     allowed = jnp.broadcast_to(slot * cmp_stride + cmp_block - 1 <= t, (B, G, C))
     o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
     return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
@@ -393,11 +464,12 @@ def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t
     B, H, dk = q.shape
     G, L, ring = k_sel.shape[2], k_sel.shape[1], k_win.shape[1]
     qg = q.reshape(B, G, H // G, dk)
-    pos = jnp.arange(L)
+    t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (B,))[:, None, None]
+    pos = jnp.arange(L, dtype=jnp.int32)
     chosen = jnp.any((block_idx[..., None] >= 0)
                      & (pos // sel_block == block_idx[..., None]), axis=2)    # [B, G, L]
     o_sel, _, _ = _masked_attention(qg, k_sel, v_sel, chosen & (pos <= t), scale)
-    slot = jnp.arange(ring)
+    slot = jnp.arange(ring, dtype=jnp.int32)
     token = t - (t - slot) % ring
     in_window = jnp.broadcast_to((token >= 0) & (token > t - window), (B, G, ring))
     o_win, _, _ = _masked_attention(qg, k_win, v_win, in_window, scale)

@@ -214,44 +214,77 @@ class _Runner:
 
     # -- decode ------------------------------------------------------------------------------
     def decode_rows(self) -> list[Row]:
-        s, cfg = self.s, self.s.cfg
+        """A uniform batch (every prompt seq_len tokens), then a ragged one (prompts of
+        different lengths in one prefill, a ragged chunked prefill on the non-empty cache),
+        each followed by `decode_steps` steps; JAX on the report's backend."""
+        s = self.s
         if s.decode_steps == 0:
             return []
-        total = s.seq_len + s.decode_steps
-        cache_t = nsa_torch_ref.init_cache(cfg, s.batch, total, TORCH_DTYPES[s.dtype],
+        B = s.batch
+        uniform = self._decode_run("", [s.seq_len] * B, None)
+        chunk = [1 + b % 3 for b in range(B)]
+        prompt = [max(1, s.seq_len - chunk[b] - (b * s.seq_len) // (2 * B)) for b in range(B)]
+        return uniform + self._decode_run("ragged ", prompt, chunk)
+
+    def _decode_run(self, label: str, prompt: list[int], chunk: Optional[list[int]]) -> list[Row]:
+        s, cfg = self.s, self.s.cfg
+        B, total = s.batch, s.seq_len + s.decode_steps
+        backend = self.jax_backend
+        cache_t = nsa_torch_ref.init_cache(cfg, B, total, TORCH_DTYPES[s.dtype],
                                            self.torch_device)
-        cache_j = nsa_jax.init_cache(cfg, s.batch, total, JAX_DTYPES[s.dtype])
-        with torch.no_grad():
-            y_pre_t, cache_t = nsa_torch_ref.prefill(self.module, self.x_torch[:, : s.seq_len],
-                                                     cache_t)
-        y_pre_j, cache_j = nsa_jax.prefill(self.params, self.x_jax[:, : s.seq_len], cfg, cache_j)
-        rows = [_row("decode", compare("prefill y", y_pre_j, y_pre_t, self.tol("output")))]
-        step_j = jax.jit(lambda p, x, c: nsa_jax.decode_step(p, x, cfg, c, return_aux=True))
+        cache_j = nsa_jax.init_cache(cfg, B, total, JAX_DTYPES[s.dtype])
+        start = np.zeros(B, np.int64)
+        ys_j, ys_t = [], []
+        for lengths in (prompt, chunk):
+            if lengths is None:
+                continue
+            # Row b's next lengths[b] tokens, padded to the longest with the row's last token.
+            index = np.minimum(start[:, None] + np.arange(max(lengths)), total - 1)
+            x_t = self.x_torch[torch.arange(B)[:, None], torch.as_tensor(index)]
+            with torch.no_grad():
+                y_t, cache_t = nsa_torch_ref.prefill(self.module, x_t, cache_t, lengths=lengths)
+            y_j, cache_j = nsa_jax.prefill(self.params, torch_to_jax(x_t, self.jax_device), cfg,
+                                           cache_j, lengths=jnp.asarray(lengths, jnp.int32),
+                                           backend=backend)
+            ys_j += [np.asarray(y_j[b, :n]) for b, n in enumerate(lengths)]
+            ys_t += [as_float64(y_t[b, :n]) for b, n in enumerate(lengths)]
+            start += np.asarray(lengths)
+        rows = [_row("decode", compare(f"{label}prefill y", np.concatenate(ys_j),
+                                       np.concatenate(ys_t), self.tol("output")))]
+        step_j = jax.jit(lambda p, x, c: nsa_jax.decode_step(p, x, cfg, c, return_aux=True,
+                                                             backend=backend),
+                         donate_argnums=2)
         worst: Optional[Comparison] = None
         agree, reads_ok, reads_detail = [], True, ""
         for i in range(s.decode_steps):
-            t = s.seq_len + i
+            t = torch.as_tensor(start + i)
+            x_t = self.x_torch[torch.arange(B), t][:, None]
             y_t, cache_t, reads_t, aux_t = nsa_torch_ref.decode_step(
-                self.module, self.x_torch[:, t: t + 1], cache_t, return_aux=True)
-            y_j, cache_j, reads_j, aux_j = step_j(self.params, self.x_jax[:, t: t + 1], cache_j)
-            c = compare(f"decode y ({s.decode_steps} steps, worst)", y_j, y_t, self.tol("output"))
+                self.module, x_t, cache_t, return_aux=True)
+            y_j, cache_j, reads_j, aux_j = step_j(self.params, torch_to_jax(x_t, self.jax_device),
+                                                  cache_j)
+            c = compare(f"{label}decode y ({s.decode_steps} steps, worst)", y_j, y_t,
+                        self.tol("output"))
             if worst is None or not (c.rel_err <= worst.rel_err):
                 worst = c
             agree.append(selection_agreement(np.asarray(aux_j["block_idx"]),
                                              aux_t["block_idx"].cpu().numpy()))
-            counts_t = {k: int(torch.as_tensor(reads_t[k]).max()) for k in ("cmp", "sel", "win", "bound")}
-            counts_j = {k: int(reads_j[k]) for k in ("cmp", "sel", "win", "bound")}
-            if counts_t != counts_j or counts_j["cmp"] + counts_j["sel"] + counts_j["win"] > counts_j["bound"]:
-                reads_ok, reads_detail = False, f"t={t}: jax {counts_j} torch {counts_t}"
+            # Per sequence; torch counts `sel` per KV head, JAX the largest over them.
+            counts_t = {k: torch.as_tensor(reads_t[k]).reshape(B, -1).max(-1).values.tolist()
+                        for k in ("cmp", "sel", "win", "bound")}
+            counts_j = {k: np.asarray(reads_j[k]).tolist() for k in ("cmp", "sel", "win", "bound")}
+            over = np.asarray(reads_j["total"]) > np.asarray(reads_j["bound"])
+            if counts_t != counts_j or over.any():
+                reads_ok, reads_detail = False, f"t={t.tolist()}: jax {counts_j} torch {counts_t}"
             elif not reads_detail or i == s.decode_steps - 1:
-                reads_detail = f"t={t}: {counts_j}"
+                reads_detail = f"t={t.tolist()}: " + str({k: v[0] for k, v in counts_j.items()})
         rows.append(_row("decode", worst))
         share = float(np.mean(agree))
         floor = SELECTION_AGREEMENT_MIN.get(s.dtype, 0.99)
-        rows.append(Row("decode", "decode block_idx agreement", share, floor, share >= floor,
-                        f"{share:.2%} of rows equal"))
-        rows.append(Row("decode", "decode reads (equal, <= bound)", 0.0 if reads_ok else 1.0, 0.0,
-                        reads_ok, reads_detail))
+        rows.append(Row("decode", f"{label}decode block_idx agreement", share, floor,
+                        share >= floor, f"{share:.2%} of rows equal"))
+        rows.append(Row("decode", f"{label}decode reads (equal, <= bound)",
+                        0.0 if reads_ok else 1.0, 0.0, reads_ok, reads_detail))
         return rows
 
 

@@ -1,8 +1,8 @@
 """CPU smoke tests of the benchmark scripts and the one-shot runner (tiny shapes, no timing claims).
 
 They check what the scripts write (CSV columns, statuses, PNG, summaries), that a row which needs
-a GPU says "skipped" instead of crashing, and that the decode breakdown's branch-only step is the
-same computation as nsa_jax's decode_step with the gates forced to that branch.
+a GPU says "skipped" instead of crashing (the decode breakdown's branch-only step is
+`nsa_jax.decode.decode_step_branches`, tested in test_jax_decode / test_pallas_decode).
 """
 import csv
 import json
@@ -123,8 +123,14 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
                                          "--heads", "4", "--groups", "2", "--iters", "2",
                                          "--warmup", "1", "--repeats", "1", "--rotate", "2",
                                          "--full_impls", "xla,fa3", "--branch_force_mode", "sel",
-                                         "--csv", str(csv_path)])
+                                         "--csv", str(csv_path),
+                                         "--latest_csv", str(tmp_path / "decode_latest.csv")])
     assert code == 0
+    columns, latest = _read(tmp_path / "decode_latest.csv")
+    assert ",".join(columns) == "B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,commit"
+    assert len(latest) == 1 and latest[0]["fa3_ms"] == "" and latest[0]["commit"] == "testcommit"
+    _, breakdown = _read(tmp_path / "decode_latest_breakdown.csv")
+    assert [r["mode"] for r in breakdown] == ["sel", "base"]
     columns, records = _read(csv_path)
     assert columns == bench_decode.COLUMNS
     by = {(r["row"], r["mode"]): r for r in records}
@@ -155,67 +161,6 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     assert _is_png(tmp_path / "decode" / "decode.png")
     assert (tmp_path / "decode" / "decode_summary.txt").exists()
     assert "speedup" in capsys.readouterr().out
-
-
-def test_branch_only_step_is_decode_step_with_forced_gates():
-    """The breakdown's branch-only step computes what decode_step computes when the gates are
-    forced to that branch: the same output and the same updated cache."""
-    import jax
-    import nsa_jax
-
-    cfg = NSAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, cmp_block=8,
-                    cmp_stride=4, sel_block=16, n_sel=3, window=12)
-    B, S, max_len = 2, 45, 64
-    params = bench_decode.init_params(cfg, jax.numpy.float32)
-    cache = bench_decode.random_cache(nsa_jax.init_cache(cfg, B, max_len), S,
-                                      jax.random.PRNGKey(1))
-    assert int(cache.pos) == S
-    x_t = jax.random.normal(jax.random.PRNGKey(2), (B, 1, cfg.d_model))
-    decode = jax.jit(nsa_jax.decode_step, static_argnums=2)
-    steps = {b: jax.jit(bench_decode.branch_only_step(b), static_argnums=2)
-             for b in bench_decode.BRANCHES}
-    for branch in bench_decode.BRANCHES:
-        forced = bench_decode.force_gates(params, cfg, branch)
-        y_ref, cache_ref, _ = decode(forced, x_t, cfg, cache)
-        y, cache_new = steps[branch](forced, x_t, cfg, cache)
-        scale = np.linalg.norm(np.asarray(y_ref))
-        err = np.linalg.norm(np.asarray(y) - np.asarray(y_ref)) / scale
-        assert err <= RTOL, (branch, err)
-        for got, want in zip(jax.tree_util.tree_leaves(cache_new),
-                             jax.tree_util.tree_leaves(cache_ref)):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=1e-6)
-        # Another branch's step gives another output: the forced gates really select.
-        other = {"cmp": "win", "sel": "cmp", "win": "sel"}[branch]
-        y_other, _ = steps[other](forced, x_t, cfg, cache)
-        assert np.linalg.norm(np.asarray(y_other) - np.asarray(y_ref)) > 1e-3 * scale, branch
-
-
-def test_pallas_branch_only_steps_are_decode_step_with_forced_gates():
-    """The same for --backend pallas (Pallas interpret mode on the CPU): cmp and sel (whose
-    kernel also computes the window); win is skipped with a reason."""
-    import functools
-
-    import jax
-    import nsa_jax
-
-    cfg = NSAConfig(d_model=24, n_heads=4, n_kv_heads=2, d_k=8, d_v=6, cmp_block=8,
-                    cmp_stride=4, sel_block=16, n_sel=3, window=12)
-    B, S, max_len = 2, 45, 64
-    params = bench_decode.init_params(cfg, jax.numpy.float32)
-    cache = bench_decode.random_cache(nsa_jax.init_cache(cfg, B, max_len), S,
-                                      jax.random.PRNGKey(1))
-    x_t = jax.random.normal(jax.random.PRNGKey(2), (B, 1, cfg.d_model))
-    decode = jax.jit(functools.partial(nsa_jax.decode_step, backend="pallas"),
-                     static_argnums=2)
-    for branch in ("cmp", "sel"):
-        forced = bench_decode.force_gates(params, cfg, branch)
-        y_ref, _, _ = decode(forced, x_t, cfg, cache)
-        step = jax.jit(bench_decode.branch_only_step(branch, "pallas"), static_argnums=2)
-        y, _ = step(forced, x_t, cfg, cache)
-        err = np.linalg.norm(np.asarray(y) - np.asarray(y_ref)) / np.linalg.norm(y_ref)
-        assert err <= RTOL, (branch, err)
-    with pytest.raises(bench_decode.Skip, match="window"):
-        bench_decode.branch_only_step("win", "pallas")(params, x_t, cfg, cache)
 
 
 def test_force_gates_rejects_unknown_branch():

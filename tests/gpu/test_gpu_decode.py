@@ -1,0 +1,54 @@
+"""GPU matrix, JAX decode: the split-KV Pallas decode kernels (Triton) at paper sizes for a
+batch of one with a position per row, and a ragged generation (ragged prefill, chunked prefill,
+decode from each sequence's own position) on the Pallas decode path against each sequence's
+full forward."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import jax_has_gpu
+from jax_inputs import make_inputs, rel_err
+from nsa_common import NSAConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")]
+
+
+@pytest.mark.parametrize("B", [1, 4, 8])
+def test_split_kv_kernels_paper_sizes(B):
+    """Paper sizes (H 64, G 4, d 128, l 32, d 16, l_sel 64, n_sel 16, w 512), a 20k cache, bf16,
+    default tiles (split over up to 64 programs per row and KV head), rows at different t."""
+    from test_pallas_decode import _block_idx, _inputs
+    from pallas_kernels import decode as D
+
+    H, G, dk, dv, L, ring = 64, 4, 128, 128, 20000, 512
+    C = (L - 32) // 16 + 1
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.bfloat16, seed=B)
+    f32 = {k: v.astype(jnp.float32) for k, v in x.items()}
+    t = jnp.asarray(L - 3 - 2311 * np.arange(B), jnp.int32)   # B 1: the end of the cache
+    o, _, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=32,
+                                  cmp_stride=16, scale=0.088)
+    o_r, _, p_r = D.decode_compressed_reference(f32["q"], f32["k_cmp"], f32["v_cmp"], t,
+                                                cmp_block=32, cmp_stride=16, scale=0.088)
+    assert rel_err(o, o_r) <= 1e-2 and rel_err(p, p_r) <= 1e-4
+    idx = jnp.concatenate([_block_idx(1, G, 16, int(t_b), 64, seed=b)
+                           for b, t_b in enumerate(np.asarray(t))])
+    got = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"],
+                                   t, sel_block=64, window=512, scale=0.088)
+    ref = D.decode_selected_window_reference(f32["q"], f32["k_sel"], f32["v_sel"], idx,
+                                             f32["k_win"], f32["v_win"], t, sel_block=64,
+                                             window=512, scale=0.088)
+    for a, r in zip(got, ref):
+        assert rel_err(a, r) <= 1e-2
+
+
+def test_ragged_generation_pallas_float32():
+    """Prompts of 700, 0 and 1500 tokens, a ragged chunk, then decode steps on the Pallas
+    decode kernels: every position equals the sequence's full forward (float32)."""
+    from test_jax_decode import F32_TOL, check_ragged
+
+    cfg = NSAConfig.paper().replace(d_model=256, n_heads=16, n_kv_heads=2, d_k=64, d_v=64)
+    params, x_all = make_inputs(cfg, 3, 2048, jnp.float32, seed=12)
+    check_ragged(params, x_all, cfg, 2048, prompt=[700, 0, 1500], chunk=[100, 300, 1],
+                 steps=24, backend="pallas", tol=F32_TOL)
