@@ -67,9 +67,10 @@ class BlockSizes:
     # block_kv_dkv) * G). Each tile's query range is split into parts until about this many
     # programs exist; their float32 partial sums are added in XLA (deterministic, no atomics).
     dkv_programs: int = 1024
-    # dK/dV from transposed scores `k q^T` (plain `a @ b` products) or from `q k^T` with
-    # transposed-operand products. The latter gave a wrong bf16 dK on an H200 at d_k 16 (before
-    # head dims were padded to >= 32).
+    # dK/dV from `q k^T` with transposed-operand products (default), or from transposed scores
+    # `k q^T` with plain `a @ b` products. The default gave a wrong bf16 dK on an H200 at d_k 16
+    # before head dims were padded to >= 32; with the padding it passes the GPU tests, and the
+    # transposed form cost 36.6 ms more of the 64k forward+backward on an H100 (bench/RESULTS.md).
     dkv_transposed: bool = False
 
     def __post_init__(self):
