@@ -46,8 +46,10 @@ def test_param_specs_cover_every_parameter(cfg):
 def test_cache_specs():
     axes = sharding.MeshAxes(data="d", model="m", context="c")
     specs = sharding.cache_specs(NSAConfig.tiny(), axes)
-    assert specs.pos == P()
-    assert all(spec == P("d", None, "m", None) for spec in specs[:-1])
+    assert specs.lengths == P("d") and specs.overflow == P("d")
+    per_token = [spec for name, spec in zip(specs._fields, specs)
+                 if name not in ("lengths", "overflow")]
+    assert per_token and all(spec == P("d", None, "m", None) for spec in per_token)
 
 
 def test_context_bytes_per_layer():

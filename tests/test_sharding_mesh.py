@@ -190,8 +190,12 @@ def test_bad_axes_and_backend():
     with pytest.raises(ValueError, match=r"axes.model \('model'\) is not an axis of the mesh"):
         sharding.sharded_nsa_attention(params, x, CFG, mesh)  # default axes name "model"
     axes = sharding.MeshAxes(data="data", model=None, context="context")
+    # "pallas" falls back to XLA by registration (so it runs a context axis on XLA); a backend
+    # with no XLA fallback is refused.
+    nsa_jax.register_backend("sliding_window_attention", "window_only",
+                             lambda q, k, v, **kw: q)
     with pytest.raises(ValueError, match="backend .* must include 'xla' with a context axis"):
-        sharding.sharded_nsa_attention(params, x, CFG, mesh, axes=axes, backend="pallas")
+        sharding.sharded_nsa_attention(params, x, CFG, mesh, axes=axes, backend="window_only")
     with pytest.raises(ValueError, match="cu_seqlens .* needs mesh axes data and context"):
         sharding.sharded_nsa_attention(params, x[:1], CFG, mesh,
                                        axes=sharding.MeshAxes(data=None, model=None,
