@@ -54,6 +54,7 @@ from pallas_kernels.compressed_attention import (
     _dot,
     blocks_visible_to,
     _group_view,
+    _kv_spec,
     _pad_rows,
     _reference_mask,
     _row_spec,
@@ -429,24 +430,12 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     pieces = []
     for start in range(0, T, chunk):  # static: a bounded score buffer per chunk of queries
         stop = min(T, start + chunk)
-        n_q_tiles = pl.cdiv(stop - start, q_tile)
-        rows_pad = n_q_tiles * q_tile
         kernel = functools.partial(_score_kernel, q_offset=start, **geometry)
-        score = pl.pallas_call(
-            kernel,
-            grid=(B, n_q_tiles, G),
-            in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
-                      pl.BlockSpec((None, n_blocks, None, tiling.dk_pad),
-                                   lambda b, i, g: (b, 0, g, 0)),
-                      _row_spec(q_tile, tiling, None)],
-            out_specs=pl.BlockSpec((None, q_tile, None, n_cols), lambda b, i, g: (b, i, g, 0)),
-            out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, n_cols), jnp.float32),
-            compiler_params=triton_compiler_params(block_sizes.num_warps,
-                                                   block_sizes.num_stages),
-            interpret=interpret,
-            name="nsa_select_scores",
-        )(_pad_rows(q5[:, start:stop], rows_pad, tiling, tiling.dk_pad), k_pad,
-          _pad_rows(lse4[:, start:stop], rows_pad, tiling, None, value=jnp.inf))
+        score = _query_tile_call(kernel, q5[:, start:stop], k_pad, lse4[:, start:stop],
+                                 pl.cdiv(stop - start, q_tile) * q_tile, n_cols, jnp.float32,
+                                 q_tile=q_tile,
+                                 tiling=tiling, block_sizes=block_sizes, interpret=interpret,
+                                 name="nsa_select_scores")
         score = score[:, :stop - start]
         if block_sizes.topn == "xla":
             pieces.append(_top_n_xla(score, n_sel))
@@ -456,27 +445,35 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
 
 
 def _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpret):
-    tiling = geometry["tiling"]
-    B, T, G = q5.shape[:3]
-    n_q_tiles = pl.cdiv(T, q_tile)
-    T_pad = n_q_tiles * q_tile
-    n_sel_pad = next_pow2(n_sel)
+    T = q5.shape[1]
     kernel = functools.partial(_select_kernel, n_sel=n_sel, **geometry)
-    block_idx = pl.pallas_call(
+    block_idx = _query_tile_call(kernel, q5, k_pad, lse4, pl.cdiv(T, q_tile) * q_tile,
+                                 next_pow2(n_sel), jnp.int32, q_tile=q_tile,
+                                 tiling=geometry["tiling"], block_sizes=block_sizes,
+                                 interpret=interpret, name="nsa_select_blocks")
+    return block_idx[:, :T, :, :n_sel]
+
+
+def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_dtype, *,
+                     q_tile: int, tiling: _Tiling, block_sizes: BlockSizes, interpret: bool,
+                     name: str):
+    """One program per (batch, query tile, KV group) over q5 `[B, n, G, h, d_k]` and lse4
+    `[B, n, G, h]` (padded here to `rows_pad` queries; padded rows get lse +inf, so p = 0 there)
+    and every compressed key of the group -> `[B, rows_pad, G, out_cols]` of `out_dtype`."""
+    B, G = q5.shape[0], q5.shape[2]
+    return pl.pallas_call(
         kernel,
-        grid=(B, n_q_tiles, G),
+        grid=(B, rows_pad // q_tile, G),
         in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
-                  pl.BlockSpec((None, k_pad.shape[1], None, tiling.dk_pad),
-                               lambda b, i, g: (b, 0, g, 0)),
+                  _kv_spec(k_pad.shape[1], tiling.dk_pad),
                   _row_spec(q_tile, tiling, None)],
-        out_specs=pl.BlockSpec((None, q_tile, None, n_sel_pad), lambda b, i, g: (b, i, g, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, n_sel_pad), jnp.int32),
+        out_specs=pl.BlockSpec((None, q_tile, None, out_cols), lambda b, i, g: (b, i, g, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, out_cols), out_dtype),
         compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
         interpret=interpret,
-        name="nsa_select_blocks",
-    )(_pad_rows(q5, T_pad, tiling, tiling.dk_pad), k_pad,
-      _pad_rows(lse4, T_pad, tiling, None, value=jnp.inf))
-    return block_idx[:, :T, :, :n_sel]
+        name=name,
+    )(_pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
+      _pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
 
 
 def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,
