@@ -71,6 +71,7 @@ _NO_BLOCK = 2 ** 30
 
 
 TOPN_METHODS = ("pallas", "xla", "fused")
+LAYOUTS = ("rows", "heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,11 +106,23 @@ class BlockSizes:
     # than a register reshape + sum. Off by default: on an H100 at 64k it was slower, 29.4 ms
     # (block_sel 16, which its shared memory needs) against 19.2 ms for the whole selection.
     head_sum_dot: bool = False
+    # layout: how a program holds its queries' heads.
+    #   "rows": `block_q` rows of (query, head) pairs, one `q k^T` a step; the head sum is a
+    #     register reshape (through shared memory).
+    #   "heads": `block_queries` queries; a step loops over the group's heads, one `q_h k^T` and
+    #     `exp2` each, accumulating `[queries, blocks]` probabilities in float32 registers (no
+    #     reshape; each head's q tile is re-read from L2 every step). `unroll_heads` unrolls
+    #     that loop at trace time.
+    layout: str = "rows"
+    block_queries: int = 64
+    unroll_heads: bool = True
 
     def __post_init__(self):
         check_tile_sizes(self)
         if self.topn not in TOPN_METHODS:
             raise ValueError(f"block_sizes.topn ({self.topn!r}) must be one of {TOPN_METHODS}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"block_sizes.layout ({self.layout!r}) must be one of {LAYOUTS}")
         if self.topn_elements != next_pow2(self.topn_elements):
             raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
                              f"of 2")
@@ -215,9 +228,7 @@ class _Scorer:
         self.block_sel, self.span, self.n_init, self.n_local = block_sel, span, n_init, n_local
         self.q_tile = q_tile = q_ref.shape[0]
         self.width = width = matmul_dim(span)  # compressed blocks loaded per step (>= span)
-        self.q = load_rows(q_ref, first_query, tiling, tiling.d_k)
-        self.lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
-        self.position, self.real = row_positions(first_query, q_tile, tiling)
+        self._hold_queries(q_ref, lse_ref, first_query)
         query = first_query + jnp.arange(q_tile, dtype=jnp.int32)
         self.last_sel = lax.div(query, jnp.int32(sel_block))  # each query's last eligible block
         self.geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
@@ -230,8 +241,15 @@ class _Scorer:
         seen_by_all = blocks_visible_to(first_query, **self.geometry)
         self.n_bulk = jnp.minimum(lax.div(jnp.maximum(seen_by_all - width, -span) + span,
                                           jnp.int32(span)), self.n_steps)
-        if head_sum_dot:
-            self.summer = self._summer(q_tile, tiling)
+
+    def _hold_queries(self, q_ref, lse_ref, first_query):
+        """The tile's (query, head) rows in registers, their lse, positions and padding."""
+        tiling = self.tiling
+        self.q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+        self.lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
+        self.position, self.real = row_positions(first_query, self.q_tile, tiling)
+        if self.head_sum_dot:
+            self.summer = self._summer(self.q_tile, tiling)
 
     @staticmethod
     def _summer(q_tile: int, tiling: _Tiling):
@@ -268,18 +286,26 @@ class _Scorer:
         else:
             p = jnp.where(self.real[:, None], p, 0.0)  # padded heads
             p_sum = p.reshape(self.q_tile, self.tiling.h_pad, self.width).sum(axis=1)
-            if self.q_tile >= MATMUL_MIN:
-                score = (_exact_dot(p_sum, self.w_current, split="a")
-                         + _exact_dot(previous, self.w_previous, split="a"))
-            else:  # a tl.dot needs >= 16 rows: tiny tiles weight in registers
-                score = ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
-                         + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
+            score = self._weigh(p_sum, previous)
+        return self._force(k, score), p_sum
+
+    def _weigh(self, p_sum, previous):
+        """Selection-block scores `[q_tile, block_sel]` of this step's and the previous step's
+        head-summed probabilities `[q_tile, width]` (the overlap weights)."""
+        if self.q_tile >= MATMUL_MIN:
+            return (_exact_dot(p_sum, self.w_current, split="a")
+                    + _exact_dot(previous, self.w_previous, split="a"))
+        # a tl.dot needs >= 16 rows: tiny tiles weight in registers
+        return ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
+                + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
+
+    def _force(self, k, score):
+        """Step k's scores with forced blocks +inf and blocks after the query's own -inf."""
         index = k * self.block_sel + lax.broadcasted_iota(jnp.int32,
                                                           (self.q_tile, self.block_sel), 1)
         eligible = index <= self.last_sel[:, None]
         forced = (index < self.n_init) | (index > self.last_sel[:, None] - self.n_local)
-        score = jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
-        return score, p_sum
+        return jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
 
     def run(self, body, carry):
         """fori_loop `body(k, (previous, carry), masked)` over the unmasked steps, then the
@@ -291,10 +317,58 @@ class _Scorer:
         return state[1]
 
 
+class _HeadLoopScorer(_Scorer):
+    """`_Scorer` for the "heads" layout: a program holds `q_tile` queries (not query x head
+    rows), and a step accumulates the group's heads one `q_h k^T` at a time into float32
+    `[q_tile, width]` probabilities, so the head sum needs no reshape. Each head's `[q_tile,
+    d_k]` query tile is loaded again every step (from L2: a program's q is `q_tile * h * d_k`)."""
+
+    def __init__(self, *args, unroll_heads: bool, **geometry):
+        self.unroll_heads = unroll_heads
+        super().__init__(*args, **geometry)
+
+    def _hold_queries(self, q_ref, lse_ref, first_query):
+        """Nothing loaded yet (a step reads each head's q and lse); positions per query."""
+        self.q_ref, self.lse_ref = q_ref, lse_ref
+        query = first_query + jnp.arange(self.q_tile, dtype=jnp.int32)
+        self.position, self.real = query, query < self.tiling.seq_len
+
+    def step(self, k, previous, masked: bool):
+        first_block = k * self.span
+        keys = self.k_ref[pl.ds(first_block, self.width), :]
+        scale2 = self.scale * LOG2_E
+
+        def add_head(head, p_sum):
+            q = self.q_ref[:, head, :]
+            lse2 = self.lse_ref[:, head] * LOG2_E
+            return p_sum + jnp.exp2(_dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
+
+        p_sum = jnp.zeros((self.q_tile, self.width), jnp.float32)
+        if self.unroll_heads:
+            for head in range(self.tiling.heads):
+                p_sum = add_head(head, p_sum)
+        else:
+            p_sum = lax.fori_loop(0, self.tiling.heads, add_head, p_sum)
+        # A non-finite query (NaN in q or lse) scores 0 rather than reach the weighted sums.
+        p_sum = jnp.where((p_sum == p_sum) & (p_sum < jnp.inf), p_sum, 0.0)
+        if masked:
+            p_sum = jnp.where(admissible(self.position, self.real, first_block, self.width,
+                                         **self.geometry), p_sum, 0.0)
+        return self._force(k, self._weigh(p_sum, previous)), p_sum
+
+
+def _make_scorer(q_ref, k_ref, lse_ref, first_query, *, layout: str, unroll_heads: bool,
+                 **geometry):
+    if layout == "heads":
+        return _HeadLoopScorer(q_ref, k_ref, lse_ref, first_query, unroll_heads=unroll_heads,
+                               **geometry)
+    return _Scorer(q_ref, k_ref, lse_ref, first_query, **geometry)
+
+
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, n_sel: int, **geometry):
     """Scores and a running top-n in registers (`_insert_top`), one kernel."""
     q_tile = q_ref.shape[0]
-    scorer = _Scorer(q_ref, k_ref, lse_ref, pl.program_id(1) * q_tile, **geometry)
+    scorer = _make_scorer(q_ref, k_ref, lse_ref, pl.program_id(1) * q_tile, **geometry)
     column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
     block_sel = geometry["block_sel"]
 
@@ -319,7 +393,8 @@ def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, q_offset: int, **geometry
     """Selection-block scores of a query tile into `score_ref [q_tile, n_cols]` (float32):
     forced blocks +inf, blocks after the query's own -inf."""
     q_tile = q_ref.shape[0]
-    scorer = _Scorer(q_ref, k_ref, lse_ref, q_offset + pl.program_id(1) * q_tile, **geometry)
+    scorer = _make_scorer(q_ref, k_ref, lse_ref, q_offset + pl.program_id(1) * q_tile,
+                          **geometry)
     block_sel = geometry["block_sel"]
 
     def body(k, state, masked):
@@ -409,7 +484,10 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     heads = H // G
     tiling = _Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                      d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
-    q_tile = tiling.q_tile(block_sizes.block_q)
+    if block_sizes.layout == "heads":
+        q_tile = block_sizes.block_queries
+    else:
+        q_tile = tiling.q_tile(block_sizes.block_q)
     block_sel = block_sizes.block_sel
     span = block_sel * (sel_block // cmp_stride)
     n_steps = ((T - 1) // sel_block) // block_sel + 1
@@ -417,7 +495,8 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     k_pad = pad_axis(pad_axis(k_cmp, 1, n_blocks), 3, tiling.dk_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
-                    block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot)
+                    block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot,
+                    layout=block_sizes.layout, unroll_heads=block_sizes.unroll_heads)
     q5 = _group_view(q, G)
     lse4 = _group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":

@@ -72,6 +72,23 @@ def test_matches_reference_and_brute_force(case):
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}H{}G{}dk{}".format(*c[0]) +
+                         "-l{}d{}ls{}n{}i{}o{}".format(*c[1]))
+def test_heads_layout_matches_brute_force(case):
+    """The "heads" layout (queries a tile, the group's heads looped in a step) on the same
+    cases: 16 or 32 queries a tile (several tiles and steps), its head loop rolled in half of
+    them."""
+    shape, sel, block_q = case
+    q, k = make_inputs(0, *shape, *sel[:2])
+    kw = selection(*sel)
+    _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
+                                            cmp_stride=kw["cmp_stride"])
+    sizes = BlockSizes(layout="heads", block_queries=block_q // 2, block_sel=16,
+                       unroll_heads=shape[1] % 2 == 0)
+    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
+    np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
+
+
 def test_block_straddling_two_steps_scores_in_both():
     """A compressed block that straddles the boundary of two kernel steps (l = 2d) weighs on the
     last selection block of one step and the first of the next. Make that block dominate the
@@ -129,15 +146,18 @@ def test_bad_inputs_raise_value_error():
         select_blocks(q, k, lse[:, :-1], interpret=True, **kw)
     with pytest.raises(ValueError, match="block_sel"):
         BlockSizes(block_sel=8)
+    with pytest.raises(ValueError, match="layout"):
+        BlockSizes(layout="columns")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jax_has_gpu(), reason="needs a CUDA GPU")
-def test_gpu_matches_reference():
+@pytest.mark.parametrize("layout", ["rows", "heads"])
+def test_gpu_matches_reference(layout):
     q, k = make_inputs(4, 1, 2000, 16, 4, 64, 32, 16)
     kw = selection(32, 16, 64, 16, 1, 2)
     _, lse = compressed_attention(q, k, k, cmp_block=32, cmp_stride=16)
-    block_idx = np.asarray(select_blocks(q, k, lse, **kw))
+    block_idx = np.asarray(select_blocks(q, k, lse, block_sizes=BlockSizes(layout=layout), **kw))
     reference = np.asarray(select_blocks_reference(q, k, lse, **kw))
     # On the GPU the scores are summed in another order; a flipped near-tie may differ.
     assert (block_idx == reference).all(axis=-1).mean() >= 0.999
