@@ -6,8 +6,10 @@ time, maps them to selection-block scores with the overlap weights, sums them ov
 of its KV group, forces the initial and local blocks, and folds the tile into a running top
 `n_sel` held in registers. Memory is the output `[B, T, G, n_sel]`; no `[T, T/d]` array exists.
 
-Program: one per (batch, query tile, KV group), holding `q_tile * h` rows like
-`compressed_attention`. Step `k` covers selection blocks `[k*S, (k+1)*S)` (`S = block_sel`) and the
+Program: one per (batch, query tile, KV group). By default ("heads" layout) it holds
+`block_queries` queries and loops over the group's `h` heads inside each step, accumulating
+their probabilities in float32 registers; the "rows" layout holds `q_tile * h` (query, head)
+rows like `compressed_attention` and sums heads by a reshape. Step `k` covers selection blocks `[k*S, (k+1)*S)` (`S = block_sel`) and the
 compressed blocks `[k*S*r, (k+1)*S*r)` (`r = l_sel / d`, the compressed blocks that start inside
 them). A compressed block that starts in the previous step's range can still overlap this step's
 first selection block (when `l > d`), so the head-summed probabilities of the previous step are
@@ -76,46 +78,46 @@ LAYOUTS = ("rows", "heads")
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes and the top-n method.
+    """Tile sizes, the layout of a program's queries and the top-n method.
 
-    `block_q` counts rows of a query tile: queries times the `h` heads of one KV group (`h` padded
-    to a power of two). `block_sel` counts selection blocks scored per step.
+    layout: how a program holds its queries' heads.
+      "heads" (default): `block_queries` queries; a step loops over the group's heads, one
+        `q_h k^T` and `exp2` each, accumulating `[queries, blocks]` probabilities in float32
+        registers (no reshape; each head's q tile is re-read from L2 every step). The head loop
+        stays a loop: unrolled, Triton hoisted every head's q tile into shared memory (604 KiB
+        at h 16, over the H100's 227 KiB).
+      "rows": `block_q` rows of (query, head) pairs (`h` padded to a power of two), one `q k^T` a
+        step; the head sum is a register reshape through shared memory. 2.6x slower at 64k.
+    `block_sel` counts selection blocks scored per step.
 
-    topn: how the `n_sel` best blocks of a score row are found.
+    topn: how the `n_sel` best blocks of a query are found.
+      "fused" (default): the scoring kernel keeps a running top-n in registers (no score buffer).
       "pallas": the score kernel writes each row's selection-block scores (float32, HBM), then a
         top-n kernel takes `n_sel` argmax rounds over whole rows (`topn_elements` scores per
         program: rows of up to 4096 blocks, i.e. T up to 256k at l_sel 64, in one pass).
       "xla": the same scores, then `lax.top_k` and a sort.
-      "fused": one kernel keeps a running top-n in registers while it scores (no score buffer;
-        its data-dependent insertion rounds made it the slowest at 64k).
-    score_bytes: the score buffer is built for chunks of queries of at most this many bytes, so
-      memory stays bounded at any T.
+    score_bytes: the score buffer ("pallas", "xla") is built for chunks of queries of at most this
+      many bytes, so memory stays bounded at any T.
+
+    Measured (H100, T 64k, H 64, G 4, d 128, bf16, `bench/breakdown_prefill.py --stages select`,
+    bench/RESULTS.md): "rows" + "pallas" 26.9 ms; "heads" + "pallas" 12.6-14.1 ms (its top-n
+    kernel alone 2.6 ms); "heads" + "fused" 10.4 ms. 4 warps; 128 queries a tile with 8 warps
+    13.7 ms, 32 queries 18.4 ms, 16 selection blocks a step 18.5 ms.
     """
 
-    # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
-    # (bench/bench_compressed.py --sweep).
     block_q: int = 256
     block_sel: int = 32
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 2
-    topn: str = "pallas"
+    topn: str = "fused"
     topn_elements: int = 4096
     num_warps_topn: int = 4
     score_bytes: int = 1 << 30
-    # Sum a query's heads with a 0/1 matrix product (bf16 halves of p on the matrix units) rather
-    # than a register reshape + sum. Off by default: on an H100 at 64k it was slower, 29.4 ms
-    # (block_sel 16, which its shared memory needs) against 19.2 ms for the whole selection.
+    # "rows" only: sum a query's heads with a 0/1 matrix product (bf16 halves of p on the matrix
+    # units) rather than a register reshape + sum. Slower on an H100 at 64k (29.4 ms).
     head_sum_dot: bool = False
-    # layout: how a program holds its queries' heads.
-    #   "rows": `block_q` rows of (query, head) pairs, one `q k^T` a step; the head sum is a
-    #     register reshape (through shared memory).
-    #   "heads": `block_queries` queries; a step loops over the group's heads, one `q_h k^T` and
-    #     `exp2` each, accumulating `[queries, blocks]` probabilities in float32 registers (no
-    #     reshape; each head's q tile is re-read from L2 every step). `unroll_heads` unrolls
-    #     that loop at trace time.
-    layout: str = "rows"
+    layout: str = "heads"
     block_queries: int = 64
-    unroll_heads: bool = True
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -323,10 +325,6 @@ class _HeadLoopScorer(_Scorer):
     `[q_tile, width]` probabilities, so the head sum needs no reshape. Each head's `[q_tile,
     d_k]` query tile is loaded again every step (from L2: a program's q is `q_tile * h * d_k`)."""
 
-    def __init__(self, *args, unroll_heads: bool, **geometry):
-        self.unroll_heads = unroll_heads
-        super().__init__(*args, **geometry)
-
     def _hold_queries(self, q_ref, lse_ref, first_query):
         """Nothing loaded yet (a step reads each head's q and lse); positions per query."""
         self.q_ref, self.lse_ref = q_ref, lse_ref
@@ -343,12 +341,8 @@ class _HeadLoopScorer(_Scorer):
             lse2 = self.lse_ref[:, head] * LOG2_E
             return p_sum + jnp.exp2(_dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
 
-        p_sum = jnp.zeros((self.q_tile, self.width), jnp.float32)
-        if self.unroll_heads:
-            for head in range(self.tiling.heads):
-                p_sum = add_head(head, p_sum)
-        else:
-            p_sum = lax.fori_loop(0, self.tiling.heads, add_head, p_sum)
+        p_sum = lax.fori_loop(0, self.tiling.heads, add_head,
+                              jnp.zeros((self.q_tile, self.width), jnp.float32))
         # A non-finite query (NaN in q or lse) scores 0 rather than reach the weighted sums.
         p_sum = jnp.where((p_sum == p_sum) & (p_sum < jnp.inf), p_sum, 0.0)
         if masked:
@@ -357,11 +351,9 @@ class _HeadLoopScorer(_Scorer):
         return self._force(k, self._weigh(p_sum, previous)), p_sum
 
 
-def _make_scorer(q_ref, k_ref, lse_ref, first_query, *, layout: str, unroll_heads: bool,
-                 **geometry):
+def _make_scorer(q_ref, k_ref, lse_ref, first_query, *, layout: str, **geometry):
     if layout == "heads":
-        return _HeadLoopScorer(q_ref, k_ref, lse_ref, first_query, unroll_heads=unroll_heads,
-                               **geometry)
+        return _HeadLoopScorer(q_ref, k_ref, lse_ref, first_query, **geometry)
     return _Scorer(q_ref, k_ref, lse_ref, first_query, **geometry)
 
 
@@ -496,7 +488,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
                     block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot,
-                    layout=block_sizes.layout, unroll_heads=block_sizes.unroll_heads)
+                    layout=block_sizes.layout)
     q5 = _group_view(q, G)
     lse4 = _group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":

@@ -37,8 +37,8 @@ def brute_force(q, k, kw):
     return bf.bf_select_blocks(np.asarray(q, np.float64), np.asarray(k, np.float64), cfg)
 
 
-# (B, T, H, G, d_k), selection (l, d, l_sel, n_sel, n_init, n_local), block_q rows (with 16
-# selection blocks per kernel step).
+# (B, T, H, G, d_k), selection (l, d, l_sel, n_sel, n_init, n_local), block_q rows of the "rows"
+# layout (half as many queries a tile in the "heads" layout), 16 selection blocks per step.
 CASES = [
     # the paper's ratios (l = 2d, l_sel = 4d), h = 2
     ((1, 100, 4, 2, 16), (8, 4, 16, 4, 1, 2), 64),
@@ -64,8 +64,8 @@ def test_matches_reference_and_brute_force(case):
     kw = selection(*sel)
     _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
                                             cmp_stride=kw["cmp_stride"])
-    block_idx = select_blocks(q, k, lse, block_sizes=BlockSizes(block_q=block_q, block_sel=16),
-                              interpret=True, **kw)
+    sizes = BlockSizes(layout="rows", topn="pallas", block_q=block_q, block_sel=16)
+    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
     B, T, H, G, _ = shape
     assert block_idx.shape == (B, T, G, kw["n_sel"]) and block_idx.dtype == jnp.int32
     np.testing.assert_array_equal(block_idx, select_blocks_reference(q, k, lse, **kw))
@@ -76,15 +76,13 @@ def test_matches_reference_and_brute_force(case):
                          "-l{}d{}ls{}n{}i{}o{}".format(*c[1]))
 def test_heads_layout_matches_brute_force(case):
     """The "heads" layout (queries a tile, the group's heads looped in a step) on the same
-    cases: 16 or 32 queries a tile (several tiles and steps), its head loop rolled in half of
-    them."""
+    cases: 16 or 32 queries a tile (several tiles and steps)."""
     shape, sel, block_q = case
     q, k = make_inputs(0, *shape, *sel[:2])
     kw = selection(*sel)
     _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
                                             cmp_stride=kw["cmp_stride"])
-    sizes = BlockSizes(layout="heads", block_queries=block_q // 2, block_sel=16,
-                       unroll_heads=shape[1] % 2 == 0)
+    sizes = BlockSizes(layout="heads", block_queries=block_q // 2, block_sel=16)
     block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
