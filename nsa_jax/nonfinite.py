@@ -174,9 +174,9 @@ def sliding_window_attention(run: Callable, q, k, v, *, window: int, segments=No
 
 
 def unguarded(run: Callable, *args, **kwargs):
-    """The decode entries run as they are: a step's rows are separate sequences (a cache row
-    is never read by another row), and within a row every step after a NaN may see it
-    (docs/ROBUSTNESS.md); guarding each step would cost its prefix counts for nothing."""
+    """The decode entries run unguarded: the rows of a cache are separate sequences, which no
+    entry mixes, so a NaN stays in its row; within the row a later step may see it even where
+    its masks exclude it (docs/ROBUSTNESS.md)."""
     return run(*args, **kwargs)
 
 
