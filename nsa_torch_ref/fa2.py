@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from nsa_common import NSAConfig, num_admissible_cmp_blocks, num_cmp_blocks
+from nsa_common import NSAConfig, num_cmp_blocks
 from nsa_torch_ref import reference, runtime
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -422,7 +422,8 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
     seq = torch.cat([torch.full((n,), i, device=q.device, dtype=torch.int64)
                      for i, (_, n) in enumerate(segments)])
     lo = offsets[seq]
-    hi = lo + num_admissible_cmp_blocks(local, l, d)
+    hi = lo + torch.where(local >= l - 1, torch.div(local - l + 1, d, rounding_mode="floor") + 1,
+                          0)
 
     def rows_seeing(prefix):
         return (prefix[:, hi] - prefix[:, lo]) > 0

@@ -8,7 +8,6 @@ import pytest
 import nsa_jax
 from jax_inputs import AUX_FLOAT, make_inputs, rel_err
 from nsa_common import NSAConfig, decode_read_bound
-from nsa_jax import dispatch
 from nsa_jax.decode import decode_read_bound as jnp_decode_read_bound
 
 TOL = 1e-10      # float64 decode against the float64 layer
@@ -311,6 +310,7 @@ def test_decode_takes_every_backend_form(monkeypatch):
     """decode_step and a chunked prefill reach the backends only through the dispatch's decode
     entries, in the layer's forms: a sequence is tried in order for each entry (a backend may
     have some entries only, or refuse an input); a lone name that lacks one is an error."""
+    dispatch = nsa_jax.dispatch
     monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
     queries = []
 

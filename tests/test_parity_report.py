@@ -10,7 +10,7 @@ import nsa_torch_ref
 from nsa_common import NSAConfig
 from parity.__main__ import main
 from parity.convert import _flatten, module_to_params, params_to_module
-from parity.report import ParitySettings, _Runner, run_report
+from parity.report import ParitySettings, run_report
 
 
 def _by_name(rows):
@@ -38,6 +38,8 @@ def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
     """The decode rows hand the report's JAX backend to prefill and decode_step (so
     `--jax-backend pallas` compares the Pallas decode kernels); here the calls are recorded and
     then run on XLA, which keeps the check fast on a CPU."""
+    from parity.report import _Runner
+
     seen = []
 
     def recording(fn):
