@@ -4,7 +4,10 @@ Nothing here imports torch or jax, so either framework can be used without the o
 """
 from nsa_common.config import NSAConfig
 from nsa_common.layout import (
+    cmp_admissible,
+    cmp_block_end,
     decode_read_bound,
+    num_admissible_cmp_blocks,
     num_cmp_blocks,
     num_sel_blocks,
     overlap_weights,
@@ -12,7 +15,10 @@ from nsa_common.layout import (
 
 __all__ = [
     "NSAConfig",
+    "cmp_admissible",
+    "cmp_block_end",
     "decode_read_bound",
+    "num_admissible_cmp_blocks",
     "num_cmp_blocks",
     "num_sel_blocks",
     "overlap_weights",

@@ -1,4 +1,8 @@
-"""Block layout arithmetic of the spec, shared by both frameworks (plain Python and NumPy)."""
+"""Block layout arithmetic of the spec, shared by both frameworks and the kernels' wrappers.
+
+The rules take Python ints or integer arrays alike (NumPy, JAX, PyTorch: only `+ - * // <=`),
+so every framework computes them with the same expression, traced or not.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -6,11 +10,29 @@ import numpy as np
 from nsa_common.config import NSAConfig
 
 
+def cmp_block_end(block, cmp_block: int, cmp_stride: int):
+    """Position of the last token of compressed block `block` (it covers `[i*d, i*d + l)`):
+    `i*d + l - 1`."""
+    return block * cmp_stride + cmp_block - 1
+
+
+def cmp_admissible(block, t, cmp_block: int, cmp_stride: int):
+    """Whether query position `t` may attend compressed block `block` (spec step 5): the block's
+    last token exists, `i*d + l - 1 <= t`."""
+    return cmp_block_end(block, cmp_block, cmp_stride) <= t
+
+
+def num_admissible_cmp_blocks(t, cmp_block: int, cmp_stride: int):
+    """How many compressed blocks query position `t` may attend: blocks `0 .. n-1` with
+    `n = max(0, (t + 1 - l) // d + 1)` (0 while `t < l - 1`)."""
+    count = (t + 1 - cmp_block) // cmp_stride + 1
+    return count * (count > 0)  # max(count, 0) for ints and every array type alike
+
+
 def num_cmp_blocks(cfg: NSAConfig, seq_len: int) -> int:
-    """Compressed blocks of a sequence of `seq_len` tokens: i in [0, (T - l) // d], none if T < l."""
-    if seq_len < cfg.cmp_block:
-        return 0
-    return (seq_len - cfg.cmp_block) // cfg.cmp_stride + 1
+    """Compressed blocks of a sequence of `seq_len` tokens: i in [0, (T - l) // d], none if T < l
+    (the blocks admissible to its last token)."""
+    return num_admissible_cmp_blocks(seq_len - 1, cfg.cmp_block, cfg.cmp_stride)
 
 
 def num_sel_blocks(cfg: NSAConfig, seq_len: int) -> int:
@@ -32,9 +54,10 @@ def overlap_weights(cfg: NSAConfig, n_cmp: int, n_sel_blocks: int) -> np.ndarray
     return (overlap / d).astype(np.float32)
 
 
-def decode_read_bound(cfg: NSAConfig, t: int) -> int:
-    """The paper's per-step memory-access formula for the token at position t (0-based):
-    `max(0, (t + 1 - l) // d + 1) + n_sel * l_sel + w` (Table 4: 5,632 at 64k with the defaults).
-    The compressed term is clamped at zero because no block exists before t = l - 1."""
-    cmp_blocks = max(0, (t + 1 - cfg.cmp_block) // cfg.cmp_stride + 1)
+def decode_read_bound(cfg: NSAConfig, t):
+    """The paper's per-step memory-access formula for the token at position t (0-based; an int
+    or an integer array): `max(0, (t + 1 - l) // d + 1) + n_sel * l_sel + w` (Table 4: 5,632
+    at 64k with the defaults). The compressed term is clamped at zero because no block exists
+    before t = l - 1."""
+    cmp_blocks = num_admissible_cmp_blocks(t, cfg.cmp_block, cfg.cmp_stride)
     return cmp_blocks + cfg.n_sel * cfg.sel_block + cfg.window

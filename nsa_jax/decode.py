@@ -11,11 +11,17 @@ A sequence whose cache has no room left is never written past `max_len`: with co
 (eager calls) `prefill` / `decode_step` raise a `ValueError` naming the sequence; under `jit`
 (traced lengths) the call leaves that sequence's cache untouched, returns NaN as its outputs and
 sets `cache.overflow[b]` (sticky), which the caller checks after the loop.
+
+Attention over the cache runs through the decode entries of `nsa_jax.dispatch`
+(`decode_compressed_attention`, `decode_select_blocks`, `decode_selected_window_attention`) on
+the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
+tried in order); block compression through its `compress_kv`.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence
+import math
+from typing import NamedTuple, Sequence
 
 import chex
 import jax
@@ -23,19 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_weights
+import nsa_common
+from nsa_common import (NSAConfig, cmp_admissible, num_admissible_cmp_blocks, num_cmp_blocks,
+                        num_sel_blocks)
 from nsa_jax import checks, dispatch
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
                            kv_names, project)
 from nsa_jax.rope import apply_rope
-from nsa_jax.xla.common import einsum, merge_heads
-from nsa_jax.xla.compress import compress_blocks
-from nsa_jax.xla.compressed_attention import cmp_probabilities
-from nsa_jax.xla.select_blocks import band_scores, sel_scores, top_blocks
-from nsa_jax.xla.selected_attention import selected_chunk
-from nsa_jax.xla.sliding_window import window_chunk
 
-DECODE_BACKENDS = ("xla", "pallas")
 BRANCHES = ("cmp", "sel", "win")
 
 
@@ -117,17 +118,6 @@ def _check_room(cache: DecodeCache, new_tokens, what: str) -> None:
                          f"to its {int(lengths[b])}, over max_len {cache.max_len}")
 
 
-def backend_name(backend: dispatch.Backend) -> str:
-    """The decode path of `backend` (the forms `nsa_attention` takes): the first name of the
-    sequence that has one; a single name without a decode path is an error, never a fallback."""
-    names = dispatch.backend_names(backend)
-    usable = [name for name in names if name in DECODE_BACKENDS]
-    if not usable:
-        raise ValueError(f"backend ({backend!r}) has no decode path; decode runs on one of "
-                         f"{DECODE_BACKENDS}")
-    return usable[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # Prefill
 
@@ -143,7 +133,9 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
 
     On a cache known to be empty (concrete `cache.lengths` all 0) this is the layer itself
     (`nsa_attention` on `backend`); otherwise the new queries attend to the cache through the
-    XLA path's chunk functions (memory `O(B T H C)`: feed long continuations in chunks).
+    decode entries of `backend` (kernels that take one query per sequence, such as Pallas',
+    pass a longer chunk to the next backend, XLA's chunk functions: memory `O(B T H C)`, so
+    feed long continuations in chunks).
     """
     check_layer_inputs(params, x, cfg)
     B, T, _ = x.shape
@@ -220,6 +212,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
                  fresh: bool):
     B, T, _ = x.shape
     l, d = cfg.cmp_block, cfg.cmp_stride
+    run_options = dict(options) if options else None
     fits, new = _room(cache, lengths)
     start = cache.lengths
     pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)                  # [B, T]
@@ -233,7 +226,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
         cache = _append_tokens(cache, proj, pos, new)
         n_blocks = parts["k_cmp"].shape[1]
         block = jnp.arange(n_blocks, dtype=jnp.int32)[None]
-        cmp_index = jnp.where(block * d + l - 1 < end[:, None], block, n_slots)
+        cmp_index = jnp.where(cmp_admissible(block, end[:, None] - 1, l, d), block, n_slots)
         k_blocks, v_blocks = parts["k_cmp"], parts["v_cmp"]
     else:
         proj = project(params, x, cfg, pos)
@@ -244,28 +237,33 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
 
         k_ext = extended(cache.k_raw, proj["k_cmp"])                       # [B, l + T, G, d]
         v_ext = extended(cache.v_raw, proj["v_cmp"])
-        first = jnp.maximum(0, -((l - 1 - start) // d))                    # ceil((start-l+1)/d)
+        first = num_admissible_cmp_blocks(start - 1, l, d)                 # not emitted yet
         block = first[:, None] + jnp.arange(-(-T // d), dtype=jnp.int32)   # [B, K]
         token = block[..., None] * d - (start - l)[:, None, None] + jnp.arange(l, dtype=jnp.int32)
         token = jnp.clip(token, 0, l + T - 1)                              # [B, K, l]
 
         def blocks(ext, cmp_params):
             gathered = jnp.take_along_axis(ext[:, None], token[..., None, None], axis=2)
-            return compress_blocks(gathered, cmp_params, cfg)              # [B, K, G, d]
+            return _compress(gathered, cmp_params, cfg, backend, run_options)  # [B, K, G, d]
 
         k_blocks = blocks(k_ext, params["cmp_k"] if mlp else None)
         v_blocks = blocks(v_ext, params["cmp_v"] if mlp else None)
-        last = block * d + l - 1
-        cmp_index = jnp.where((last < end[:, None]) & (block < n_slots), block, n_slots)
+        emitted = cmp_admissible(block, end[:, None] - 1, l, d)
+        cmp_index = jnp.where(emitted & (block < n_slots), block, n_slots)
+        # The window of the chunk's queries: the ring before the appends, then the chunk.
         ring = cache.k_win.shape[1]
-        window_keys = dict(k=_ordered_ring(cache.k_win, start - ring),
-                           v=_ordered_ring(cache.v_win, start - ring))   # before the appends
+        window = (
+            jnp.concatenate([_ordered_ring(cache.k_win, start - ring),
+                             proj["k_win"].astype(cache.k_win.dtype)], 1),
+            jnp.concatenate([_ordered_ring(cache.v_win, start - ring),
+                             proj["v_win"].astype(cache.v_win.dtype)], 1),
+            (start - ring)[:, None] + jnp.arange(ring + T, dtype=jnp.int32))  # [B, ring + T]
         cache = _append_tokens(cache, proj, pos, new)
     cache = cache._replace(k_cmp=_put(cache.k_cmp, k_blocks, cmp_index),
                            v_cmp=_put(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
-        o_cmp, o_sel, o_win, block_idx = _attend_xla(proj["q"], cache, cfg, pos, BRANCHES,
-                                                     window_keys=window_keys, chunk=proj)
+        o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
+                                                 run_options, window=window)
         y, gates = combine(params, x, cfg, o_cmp, o_sel, o_win)
         aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     real = jnp.arange(T, dtype=jnp.int32)[None] < new[:, None]
@@ -279,10 +277,8 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
 
 
 def decode_read_bound(cfg: NSAConfig, t: jax.Array) -> jax.Array:
-    """`nsa_common.decode_read_bound` in jnp: `max(0, (t+1-l)//d + 1) + n_sel*l_sel + w`."""
-    t = jnp.asarray(t, jnp.int32)
-    cmp_blocks = jnp.maximum(0, (t + 1 - cfg.cmp_block) // cfg.cmp_stride + 1)
-    return (cmp_blocks + cfg.n_sel * cfg.sel_block + cfg.window).astype(jnp.int32)
+    """`nsa_common.decode_read_bound` of positions t as int32 (a jnp array, may be traced)."""
+    return nsa_common.decode_read_bound(cfg, jnp.asarray(t, jnp.int32)).astype(jnp.int32)
 
 
 def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
@@ -290,10 +286,11 @@ def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
     """Append one token per sequence and attend. x_t `[B, 1, d_model]`; sequence b's token sits
     at position `t_b = cache.lengths[b]`.
 
-    backend: as in `nsa_attention` (a name or a sequence of names; the first with a decode path
-    runs): "xla" (the XLA path's chunk functions) or "pallas" (`pallas_kernels.decode`: one
-    kernel for the compressed branch and the selection probabilities, one for the selected and
-    window branches). options: `{"pallas": PallasOptions(...)}` (interpret mode, decode tiles).
+    backend: as in `nsa_attention` (a name, or a sequence of names tried in order for each
+    decode entry of `nsa_jax.dispatch`; "pallas" is ("pallas", "xla")): "xla" (the XLA path's
+    chunk functions) or "pallas" (`pallas_kernels.decode`: one kernel for the compressed branch
+    and the selection probabilities, one for the selected and window branches).
+    options: `{"pallas": PallasOptions(...)}` (interpret mode, decode tiles).
     Jit it with the cache donated (`donate_argnames="cache"`) so that the appends are in place,
     and pass `prepare_decode_params(params, cfg)` for one projection GEMM per step.
 
@@ -323,10 +320,10 @@ def decode_step_branches(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCa
     branches = tuple(branches)
     if any(b not in BRANCHES for b in branches):
         raise ValueError(f"branches ({branches!r}) must be a subset of {BRANCHES}")
-    name = backend_name(backend)
+    backend = dispatch.static_backend(backend)
     _check_cache(cache, cfg, B)
     _check_room(cache, np.ones((B,), np.int32), "decode_step")
-    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=name,
+    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=backend,
                            options=dispatch.static_options(options), branches=branches)
     chex.assert_shape(out[0], x_t.shape)
     return out if return_aux else out[:3]
@@ -368,7 +365,17 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     return out
 
 
-def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit) -> DecodeCache:
+def _compress(blocks: jax.Array, cmp_params, cfg: NSAConfig, backend, options) -> jax.Array:
+    """blocks `[..., l, G, d]` in token order -> their summaries `[..., G, d]` in blocks' dtype,
+    through the dispatch's `compress_kv` (l tokens are a sequence of one compressed block)."""
+    lead, tail = blocks.shape[:-3], blocks.shape[-3:]
+    flat = blocks.reshape((math.prod(lead),) + tail)
+    out = dispatch.call("compress_kv", backend, flat, cmp_params, cfg, options=options)
+    return out.reshape(lead + out.shape[-2:])
+
+
+def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
+                 options) -> DecodeCache:
     """Compress the raw rings (tokens `t-l+1 .. t` of each sequence) into slot `(t+1-l)/d` of
     the sequences that `emit`; the compression MLP runs only on steps where one does."""
     l, d = cfg.cmp_block, cfg.cmp_stride
@@ -377,10 +384,10 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit) -> DecodeC
     slot = jnp.where(emit, (t + 1 - l) // d, n_slots)[:, None]           # [B, 1], n_slots: none
 
     def write(cache):
-        k_block = compress_blocks(_ordered_ring(cache.k_raw, t - l + 1),
-                                  params["cmp_k"] if mlp else None, cfg)
-        v_block = compress_blocks(_ordered_ring(cache.v_raw, t - l + 1),
-                                  params["cmp_v"] if mlp else None, cfg)
+        k_block = _compress(_ordered_ring(cache.k_raw, t - l + 1),
+                            params["cmp_k"] if mlp else None, cfg, backend, options)
+        v_block = _compress(_ordered_ring(cache.v_raw, t - l + 1),
+                            params["cmp_v"] if mlp else None, cfg, backend, options)
         return cache._replace(k_cmp=_put(cache.k_cmp, k_block[:, None], slot),
                               v_cmp=_put(cache.v_cmp, v_block[:, None], slot))
 
@@ -388,22 +395,18 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit) -> DecodeC
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "options", "branches"))
-def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend: str,
+def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend,
                      options, branches: tuple):
     l, d = cfg.cmp_block, cfg.cmp_stride
+    options = dict(options) if options else None
     fits, new = _room(cache, jnp.ones_like(cache.lengths))
     t = cache.lengths                                                      # [B]
     proj = _project_step(params, x_t, cfg, t[:, None])
     cache = _append_tokens(cache, proj, t[:, None], new)
     emit = fits & (t + 1 >= l) & ((t + 1 - l) % d == 0)
-    cache = _emit_blocks(cache, params, cfg, t, emit)
-
-    q = proj["q"]
-    if backend == "pallas":
-        o_cmp, o_sel, o_win, block_idx = _attend_pallas(q, cache, cfg, t, dict(options or ()),
-                                                        branches)
-    else:
-        o_cmp, o_sel, o_win, block_idx = _attend_xla(q, cache, cfg, t[:, None], branches)
+    cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
+    o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
+                                             backend, options)
     y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
     reads = step_reads(cfg, t, block_idx)
     aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
@@ -418,113 +421,45 @@ def step_reads(cfg: NSAConfig, t: jax.Array, block_idx: jax.Array) -> dict:
     t_b = t[:, None, None, None]
     block_tokens = jnp.minimum(l_sel, t_b - block_idx * l_sel + 1)
     sel = jnp.max(jnp.sum(jnp.where(block_idx >= 0, block_tokens, 0), axis=-1), axis=(1, 2))
-    cmp = jnp.maximum(0, (t + 1 - l) // d + 1)
+    cmp = num_admissible_cmp_blocks(t, l, d)
     win = jnp.minimum(cfg.window, t + 1)
     reads = dict(cmp=cmp, sel=sel, win=win, total=cmp + sel + win,
                  bound=decode_read_bound(cfg, t))
     return {k: v.astype(jnp.int32) for k, v in reads.items()}
 
 
-def _attend_xla(q, cache: DecodeCache, cfg: NSAConfig, q_pos, branches, *, window_keys=None,
-                chunk=None):
+def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend, options, *,
+            window=None):
     """The branch outputs `[B, Q, H, d_v]` (0 for branches not asked for) and block_idx
-    `[B, Q, G, n_sel]` of queries q `[B, Q, H, d_k]` at positions q_pos `[B, Q]`, on a cache
-    that already holds them.
+    `[B, Q, G, n_sel]` (-1 without "sel") of queries q `[B, Q, H, d_k]` at positions `[B, Q]`,
+    on a cache that already holds them, through the decode entries of `backend`.
 
-    Window keys: by default the ring (a decode step's query is its newest token). A chunk of
-    several queries needs the tokens before the chunk too: `window_keys` (the ring in token
-    order, tokens `q_pos[:, 0] - W ..`) and `chunk` (the chunk's own `k_win` / `v_win`).
+    window: None, the cache's ring (a decode step's query is its newest token); or, for a chunk
+    of several queries, `(k [B, K, G, d_k], v [B, K, G, d_v], tokens int [B, K])`: the window's
+    keys (the ring before the chunk, then the chunk) and the token each row holds.
     """
-    B, Q = q_pos.shape
-    l, d, l_sel, scale = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.scale
-    zeros = jnp.zeros((B, Q), jnp.int32)
+    B, Q = positions.shape
     o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
     o_cmp = o_sel = o_win = o_zero
     block_idx = jnp.full((B, Q, cfg.n_kv_heads, cfg.n_sel), -1, jnp.int32)
-    if "cmp" in branches or "sel" in branches:
-        # Block i is admissible iff i*d + l - 1 <= t.
-        n_slots = cache.k_cmp.shape[1]
-        cmp_last = jnp.arange(n_slots, dtype=jnp.int32) * d + l - 1
-        p_cmp, _ = cmp_probabilities(q, cache.k_cmp, q_pos, zeros, cmp_last,
-                                     jnp.zeros((n_slots,), jnp.int32), scale)
-        if "cmp" in branches:
-            o_cmp = merge_heads(einsum("bqghc,bcgd->bqghd", p_cmp, cache.v_cmp,
-                                       p_cmp.dtype)).astype(q.dtype)
-    if "sel" in branches:
-        overlap = jnp.asarray(overlap_weights(cfg, n_slots, num_sel_blocks(cfg, cache.max_len)))
-        block_idx = top_blocks(sel_scores(lax.stop_gradient(p_cmp), overlap.astype(p_cmp.dtype)),
-                               q_pos[..., None], cfg)                      # [B, Q, G, n_sel]
-        o_sel = selected_chunk(q, cache.k_sel, cache.v_sel, block_idx, q_pos, zeros, l_sel,
-                               scale)
-    if "win" in branches:
-        if window_keys is None:
-            ring = cache.k_win.shape[1]
-            t = q_pos[:, :1]
-            key_token = t - (t - jnp.arange(ring, dtype=jnp.int32)) % ring  # token per slot
-            k_win, v_win = cache.k_win, cache.v_win
-        else:
-            ring = window_keys["k"].shape[1]
-            first = q_pos[:, :1] - ring
-            key_token = first + jnp.arange(ring + Q, dtype=jnp.int32)
-            k_win = jnp.concatenate([window_keys["k"], chunk["k_win"].astype(cache.k_win.dtype)], 1)
-            v_win = jnp.concatenate([window_keys["v"], chunk["v_win"].astype(cache.v_win.dtype)], 1)
-        o_win = window_chunk(q, k_win, v_win, key_token[:, None], q_pos, zeros, cfg.window, scale)
-    return o_cmp, o_sel, o_win, block_idx
 
+    def run(entry, *args, **kwargs):
+        return dispatch.call(entry, backend, *args, options=options, positions=positions,
+                             **kwargs)
 
-def _attend_pallas(q, cache: DecodeCache, cfg: NSAConfig, t, options: dict, branches):
-    """`_attend_xla` of one query per sequence through `pallas_kernels.decode`."""
-    B = q.shape[0]
-    o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
-    o_cmp = o_sel = o_win = o_zero
-    block_idx = jnp.full((B, 1, cfg.n_kv_heads, cfg.n_sel), -1, jnp.int32)
     if "cmp" in branches or "sel" in branches:
-        o_cmp_k, p_group = pallas_compressed(q, cache, cfg, t, options)
+        o, p_group = run("decode_compressed_attention", q, cache.k_cmp, cache.v_cmp, cfg,
+                         scale=cfg.scale)
         if "cmp" in branches:
-            o_cmp = o_cmp_k
+            o_cmp = o
     if "sel" in branches:
-        block_idx = pallas_select(p_group, cache, cfg, t)
+        block_idx = run("decode_select_blocks", p_group, cfg,
+                        n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
     if "sel" in branches or "win" in branches:
-        # One kernel runs both; without "sel" it gets no blocks and reads only the window.
-        o_sel_k, o_win_k = pallas_selected_window(q, cache, cfg, t, block_idx, options)
-        o_sel = o_sel_k if "sel" in branches else o_zero
-        o_win = o_win_k if "win" in branches else o_zero
+        # One entry runs both (Pallas: one kernel); without "sel" it gets no blocks.
+        k_win, v_win, tokens = window if window is not None else (cache.k_win, cache.v_win, None)
+        o_s, o_w = run("decode_selected_window_attention", q, cache.k_sel, cache.v_sel, block_idx,
+                       k_win, v_win, cfg, scale=cfg.scale, window_tokens=tokens)
+        o_sel = o_s if "sel" in branches else o_zero
+        o_win = o_w if "win" in branches else o_zero
     return o_cmp, o_sel, o_win, block_idx
-
-
-def _pallas_run_options(options: Optional[dict]) -> dict:
-    from nsa_jax.pallas_backend import DEFAULT_OPTIONS
-
-    opts = dict(options or ()).get("pallas", DEFAULT_OPTIONS)
-    return dict(block_sizes=opts.decode_blocks, interpret=opts.resolve_interpret())
-
-
-def pallas_compressed(q, cache: DecodeCache, cfg: NSAConfig, t, options=None):
-    """Decode's compressed branch on the Pallas kernel, queries q `[B, 1, H, d_k]` at positions
-    t `[B]`: `(o_cmp [B, 1, H, d_v], p_group [B, G, C])`, p_group being the selection
-    probabilities summed over each group's heads."""
-    from pallas_kernels import decode as kernels
-
-    o_cmp, _, p_group = kernels.decode_compressed(
-        q[:, 0], cache.k_cmp, cache.v_cmp, t, cmp_block=cfg.cmp_block,
-        cmp_stride=cfg.cmp_stride, scale=cfg.scale, **_pallas_run_options(options))
-    return o_cmp[:, None], p_group
-
-
-def pallas_select(p_group, cache: DecodeCache, cfg: NSAConfig, t):
-    """Rank the selection blocks from `p_group [B, G, C]` at positions t `[B]`:
-    block_idx int32 `[B, 1, G, n_sel]`."""
-    scores = band_scores(p_group, cfg, num_sel_blocks(cfg, cache.max_len))    # [B, G, S]
-    return top_blocks(scores[:, None], t[:, None, None], cfg)
-
-
-def pallas_selected_window(q, cache: DecodeCache, cfg: NSAConfig, t, block_idx, options=None):
-    """The selected + window kernel: `(o_sel, o_win [B, 1, H, d_v])` of the queries q
-    `[B, 1, H, d_k]` at positions t `[B]` with blocks block_idx `[B, 1, G, n_sel]`."""
-    from pallas_kernels import decode as kernels
-
-    o_sel, o_win = kernels.decode_selected_window(
-        q[:, 0], cache.k_sel, cache.v_sel, block_idx[:, 0], cache.k_win, cache.v_win, t,
-        sel_block=cfg.sel_block, window=cfg.window, scale=cfg.scale,
-        **_pallas_run_options(options))
-    return o_sel[:, None], o_win[:, None]

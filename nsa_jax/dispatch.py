@@ -12,6 +12,17 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
     selected_attention(q, k, v, block_idx, *, block_size, scale)
     sliding_window_attention(q, k, v, *, window, scale)
 
+and the decode entries, for queries q `[B, Q, H, d_k]` at positions `[B, Q]` attending a decode
+cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
+
+    decode_compressed_attention(q, k_cmp, v_cmp, cfg, *, positions, scale)
+        -> (o_cmp [B, Q, H, d_v], p_group [B, Q, G, C]: probabilities summed over each group)
+    decode_select_blocks(p_group, cfg, *, positions, n_sel_blocks) -> block_idx [B, Q, G, n_sel]
+    decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, cfg, *,
+                                     positions, scale, window_tokens) -> (o_sel, o_win)
+        (window_tokens None: k_win / v_win are the cache's ring, token s in slot s % W;
+        otherwise int `[B, K]`, the token held by each of their K rows)
+
 plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
 only passed to backends registered with `packed=True`) and `options=` (that backend's entry of
 the caller's `options` mapping). An implementation that cannot handle its input raises
@@ -35,6 +46,8 @@ from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
             "sliding_window_attention")
+DECODE_BRANCHES = ("decode_compressed_attention", "decode_select_blocks",
+                   "decode_selected_window_attention")
 
 Backend = Union[str, Sequence[str]]
 
@@ -59,8 +72,8 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
     packed: whether `fn` accepts `segments=` (packed sequences); if not, packed inputs are
     handed to the next backend of the caller's list.
     """
-    if branch not in BRANCHES:
-        raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES}")
+    if branch not in BRANCHES + DECODE_BRANCHES:
+        raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES + DECODE_BRANCHES}")
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend ({backend!r}) must be a non-empty str")
     global _generation
@@ -110,7 +123,8 @@ def call(branch: str, backend: Backend, *args, segments=None,
 
     Every backend runs inside `nonfinite.GUARDS[branch]`: it sees only finite inputs, and the
     outputs that attend a non-finite value become NaN (isolation of NaN / inf between tokens
-    and sequences, whatever the backend does with masked keys)."""
+    and sequences, whatever the backend does with masked keys). The decode entries are not
+    guarded (docs/ROBUSTNESS.md)."""
     run = functools.partial(_first_capable, branch, backend, options=options)
     return nonfinite.GUARDS[branch](run, *args, segments=segments, **kwargs)
 
@@ -147,6 +161,8 @@ class NoBackendError(NotImplementedError, ValueError):
 
 for _branch in BRANCHES:
     register_backend(_branch, "xla", getattr(xla, _branch), packed=True)
+for _branch in DECODE_BRANCHES:
+    register_backend(_branch, "xla", getattr(xla, _branch))
 
 
 def static_options(options: Optional[Mapping[str, Any]]) -> Optional[tuple]:

@@ -73,7 +73,7 @@ class NSAAttention(nnx.Module):
         With all three left None the parameters are `nsa_jax.init_params(rngs.params(), cfg,
         param_dtype)`, value for value.
     backend / options: of the forward and prefill (`nsa_attention`'s); decode_backend: of
-        `decode_step` ("xla" or "pallas").
+        `decode_step` (the same forms: "xla", "pallas", a sequence of names).
     """
 
     def __init__(self, cfg: NSAConfig, *, dtype=None, param_dtype=jnp.float32,
@@ -81,14 +81,15 @@ class NSAAttention(nnx.Module):
                  kernel_init: Optional[Initializer] = None,
                  pos_init: Optional[Initializer] = None,
                  bias_init: Optional[Initializer] = None,
-                 backend: dispatch.Backend = "xla", decode_backend: str = "xla",
+                 backend: dispatch.Backend = "xla",
+                 decode_backend: dispatch.Backend = "xla",
                  options: Optional[Mapping[str, Any]] = None, rngs: nnx.Rngs):
         checks.config(cfg)
         self.cfg = cfg
         self.dtype = None if dtype is None else jnp.dtype(dtype)
         self.precision = core.check_precision(precision)
         self.backend = dispatch.backend_names(backend)
-        self.decode_backend = decode_backend
+        self.decode_backend = dispatch.backend_names(decode_backend)
         # Hashable items (static module data); `_options()` turns them back into a dict.
         self.options = dispatch.static_options(options)
         key, param_dtype = rngs.params(), jnp.dtype(param_dtype)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from nsa_common import NSAConfig
+from nsa_common import NSAConfig, num_admissible_cmp_blocks
 from nsa_jax.segments import Segments, single_sequence
 
 
@@ -119,8 +119,7 @@ def compressed_attention(run: Callable, q, k_cmp, v_cmp, cfg: NSAConfig, *, segm
     B, T, H, _ = q.shape
     G = k_cmp.shape[2]
     _, pos, _, offset = _positions(segments, B, T)
-    visible = jnp.where(pos >= cfg.cmp_block - 1,
-                        (pos - cfg.cmp_block + 1) // cfg.cmp_stride + 1, 0)
+    visible = num_admissible_cmp_blocks(pos, cfg.cmp_block, cfg.cmp_stride)
     n_bad = _count_in(_prefix_count(bad_kv), jnp.broadcast_to(offset, (B, T, G)),
                       jnp.broadcast_to(offset + visible, (B, T, G)))
     bad = _per_head((n_bad > 0)[..., None] | _query_bad(bad_q, G))
@@ -174,10 +173,20 @@ def sliding_window_attention(run: Callable, q, k, v, *, window: int, segments=No
     return poison(out, _per_head((n_bad > 0)[..., None] | _query_bad(bad_q, G)))
 
 
+def unguarded(run: Callable, *args, **kwargs):
+    """The decode entries run unguarded: the rows of a cache are separate sequences, which no
+    entry mixes, so a NaN stays in its row; within the row a later step may see it even where
+    its masks exclude it (docs/ROBUSTNESS.md)."""
+    return run(*args, **kwargs)
+
+
 GUARDS = {
     "compress_kv": compress_kv,
     "compressed_attention": compressed_attention,
     "select_blocks": select_blocks,
     "selected_attention": selected_attention,
     "sliding_window_attention": sliding_window_attention,
+    "decode_compressed_attention": unguarded,
+    "decode_select_blocks": unguarded,
+    "decode_selected_window_attention": unguarded,
 }

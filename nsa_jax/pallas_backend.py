@@ -6,6 +6,11 @@ The kernels take plain hyperparameters (`cmp_block=`, `sel_block=`, ...) and kno
 `"xla"` as its fallback, so `backend="pallas"` (the same as `("pallas", "xla")`) runs them on
 XLA. Packed sequences are not supported by the kernels (registered with `packed=False`): they
 go to XLA too.
+
+Decode (`pallas_kernels.decode`): one kernel for the compressed branch and the selection
+probabilities, the ranking in XLA (`band_scores`: the overlap weights as a few strided sums),
+one kernel for the selected and window branches. The kernels take one query per sequence over
+the cache's window ring; a chunk of queries (chunked prefill) goes to XLA.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Optional
 import jax
 
 from nsa_common import NSAConfig
+from nsa_jax.xla.select_blocks import band_scores, top_blocks
 # Module objects, not the same-named functions `pallas_kernels/__init__` re-exports.
 cmp_kernel = importlib.import_module("pallas_kernels.compressed_attention")
 select_kernel = importlib.import_module("pallas_kernels.select_blocks")
@@ -78,12 +84,54 @@ def selected_attention(q, k, v, block_idx, *, block_size, scale,
         interpret=options.resolve_interpret())
 
 
+def _one_query(q, what: str) -> None:
+    if q.shape[1] != 1:
+        raise NotImplementedError(f"the Pallas {what} kernel takes one query per sequence, "
+                                  f"got {q.shape[1]}")
+
+
+def decode_compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, scale,
+                                options: Optional[PallasOptions] = None):
+    _one_query(q, "decode_compressed")
+    options = options or DEFAULT_OPTIONS
+    o_cmp, _, p_group = decode_kernel.decode_compressed(
+        q[:, 0], k_cmp, v_cmp, positions[:, 0], cmp_block=cfg.cmp_block,
+        cmp_stride=cfg.cmp_stride, scale=scale, block_sizes=options.decode_blocks,
+        interpret=options.resolve_interpret())
+    return o_cmp[:, None], p_group[:, None]
+
+
+def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: int,
+                         options: Optional[PallasOptions] = None):
+    del options  # XLA: the scores are `[B, G, S]` per step, the kernels' work is done
+    return top_blocks(band_scores(p_group, cfg, n_sel_blocks), positions[..., None], cfg)
+
+
+def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, cfg: NSAConfig,
+                                     *, positions, scale, window_tokens=None,
+                                     options: Optional[PallasOptions] = None):
+    _one_query(q, "decode_selected_window")
+    if window_tokens is not None:
+        raise NotImplementedError("the Pallas decode_selected_window kernel reads the window "
+                                  "from the cache's ring only (window_tokens=None)")
+    options = options or DEFAULT_OPTIONS
+    o_sel, o_win = decode_kernel.decode_selected_window(
+        q[:, 0], k_sel, v_sel, block_idx[:, 0], k_win, v_win, positions[:, 0],
+        sel_block=cfg.sel_block, window=cfg.window, scale=scale,
+        block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
+    return o_sel[:, None], o_win[:, None]
+
+
 def register() -> None:
-    """Register the three Pallas branches with `nsa_jax.dispatch` under the name "pallas", with
-    "xla" for the rest."""
+    """Register the Pallas branches and decode entries with `nsa_jax.dispatch` under the name
+    "pallas", with "xla" for the rest."""
     from nsa_jax.dispatch import register_backend, register_fallback
 
     register_backend("compressed_attention", "pallas", compressed_attention)
     register_backend("select_blocks", "pallas", select_blocks)
     register_backend("selected_attention", "pallas", selected_attention)
+    register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
+    register_backend("decode_select_blocks", "pallas", decode_select_blocks)
+    register_backend("decode_selected_window_attention", "pallas",
+                     decode_selected_window_attention)
     register_fallback("pallas", "xla")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from nsa_common import NSAConfig
+from nsa_common import NSAConfig, num_admissible_cmp_blocks
 
 
 class Segments(NamedTuple):
@@ -54,7 +54,7 @@ def from_cu_seqlens(cu_seqlens: jax.Array, seq_len: int, cfg: NSAConfig) -> Segm
     start = cu[seg]
 
     lengths = cu[1:] - cu[:-1]
-    blocks_per_seq = jnp.where(lengths >= l, (lengths - l) // d + 1, 0)
+    blocks_per_seq = num_admissible_cmp_blocks(lengths - 1, l, d)    # num_cmp_blocks, traced
     slot_offset = jnp.concatenate([jnp.zeros((1,), jnp.int32),
                                    jnp.cumsum(blocks_per_seq).astype(jnp.int32)])
     c = jnp.arange(seq_len // d, dtype=jnp.int32)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks
+from nsa_common import NSAConfig, cmp_block_end, num_cmp_blocks, num_sel_blocks
 from nsa_jax import checks, dispatch
 from nsa_jax.decode import DecodeCache, decode_step, prefill
 from nsa_jax.layer import (check_layer_inputs, combine, nsa_attention, param_shapes,
@@ -314,7 +314,7 @@ def _context_select(q, k_cmp, positions, cfg: NSAConfig, seq_len: int, options):
     q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
     B, T_local = q.shape[:2]
     C = k_cmp.shape[1]
-    cmp_last = jnp.arange(C, dtype=jnp.int32) * cfg.cmp_stride + cfg.cmp_block - 1
+    cmp_last = cmp_block_end(jnp.arange(C, dtype=jnp.int32), cfg.cmp_block, cfg.cmp_stride)
     n_blocks = num_sel_blocks(cfg, seq_len)
     chunk = ((options or {}).get("xla") or XLA_DEFAULTS).select_q_chunk
 
@@ -416,7 +416,7 @@ def _sharded_prefill(params, x, cache, *, cfg, mesh, axes, backend, options):
 
 def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache,
                         mesh: Optional[Mesh] = None, *, axes: MeshAxes = MeshAxes(),
-                        backend: str = "xla",
+                        backend: dispatch.Backend = "xla",
                         options: Optional[Mapping[str, Any]] = None,
                         return_aux: bool = False):
     """`decode_step` sharded over data and model. -> `(y_t, cache, reads)` (+ `aux`): reads are
@@ -425,7 +425,8 @@ def sharded_decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCac
     axes, mesh = _decode_axes(axes), current_mesh(mesh)
     check_mesh(mesh, cfg, axes, batch=x_t.shape[0])
     out = _sharded_decode_step(params, x_t, cache, cfg=cfg, mesh=mesh, axes=axes,
-                               backend=backend, options=dispatch.static_options(options))
+                               backend=dispatch.static_backend(backend),
+                               options=dispatch.static_options(options))
     return out if return_aux else out[:3]
 
 

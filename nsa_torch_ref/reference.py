@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_weights
+from nsa_common import (NSAConfig, cmp_admissible, num_cmp_blocks, num_sel_blocks,
+                         overlap_weights)
 
 # Largest per-chunk intermediate (scores or gathered keys), in elements. 2**26 float32 is 256 MiB.
 ELEMENT_BUDGET = 1 << 26
@@ -206,8 +207,8 @@ def _compressed_rows(q, k_cmp, v_cmp, q_pos, cfg: NSAConfig, scale: float):
         v_safe, v_bad = _split_finite(v_cmp.to(acc))
         kv_bad = kv_bad | v_bad
     scores = torch.einsum("bqghd,bcgd->bqghc", q_safe, k_safe) * scale
-    block_end = torch.arange(C, device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
-    admissible = block_end[None, :] <= q_pos[:, None]  # [Tq, C]
+    admissible = cmp_admissible(torch.arange(C, device=q.device)[None, :], q_pos[:, None],
+                                cfg.cmp_block, cfg.cmp_stride)  # [Tq, C]
     p_cmp, lse = _masked_softmax(scores, admissible[None, :, None, None, :])
     sees_bad = torch.einsum("qc,bcg->bqg", admissible.to(acc), kv_bad.to(acc)) > 0
     bad = q_bad | sees_bad[..., None]                                     # [B, Tq, G, h]

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from nsa_common import cmp_admissible
 from pallas_kernels._common import (
     LN_2,
     LOG2_E,
@@ -689,4 +690,4 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, cmp_block: int, cmp_strid
 def _reference_mask(T: int, C: int, cmp_block: int, cmp_stride: int, q_offset: int = 0):
     """`[T, C]` bool: query `q_offset + t` sees block `i` iff `i*d + l - 1 <= q_offset + t`."""
     position = q_offset + jnp.arange(T)[:, None]
-    return jnp.arange(C)[None, :] * cmp_stride + cmp_block - 1 <= position
+    return cmp_admissible(jnp.arange(C)[None, :], position, cmp_block, cmp_stride)

@@ -37,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from nsa_common import cmp_admissible
 from pallas_kernels._common import (
     LOG2_E,
     LN_2,
@@ -453,7 +454,7 @@ def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_strid
     qg = q.reshape(B, G, H // G, dk)
     t = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (B,))[:, None, None]
     slot = jnp.arange(C, dtype=jnp.int32)
-    allowed = jnp.broadcast_to(slot * cmp_stride + cmp_block - 1 <= t, (B, G, C))
+    allowed = jnp.broadcast_to(cmp_admissible(slot, t, cmp_block, cmp_stride), (B, G, C))
     o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
     return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
 

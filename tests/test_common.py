@@ -4,7 +4,8 @@ import pytest
 
 from bruteforce import (bf_compressed_attention, bf_select_blocks, bf_selected_attention,
                         bf_sliding_window_attention)
-from nsa_common import (NSAConfig, decode_read_bound, num_cmp_blocks, num_sel_blocks,
+from nsa_common import (NSAConfig, cmp_admissible, cmp_block_end, decode_read_bound,
+                        num_admissible_cmp_blocks, num_cmp_blocks, num_sel_blocks,
                         overlap_weights)
 
 
@@ -52,6 +53,44 @@ def test_decode_read_bound_matches_paper_table4():
     # Spec formula at the last of 65,536 tokens; the paper's 5,632 rounds T/d up to 4,096.
     assert decode_read_bound(cfg, 65535) == 4095 + 16 * 64 + 512
     assert decode_read_bound(cfg, 0) == 16 * 64 + 512
+
+
+@pytest.mark.parametrize("l, d", [(32, 16), (8, 4), (16, 16), (12, 4), (4, 1)])
+def test_admissibility_rule_against_counting_token_sets(l, d):
+    """Block i covers tokens [i*d, i*d + l); query t may attend it iff all of them are <= t.
+    Counted from the token sets, for positions before the first block and after many."""
+    blocks = np.arange(210)  # more than any t below can see (d = 1)
+    for t in range(-1, 200):
+        covered = [set(range(i * d, i * d + l)) for i in blocks]
+        brute = [tokens <= set(range(t + 1)) for tokens in covered]
+        np.testing.assert_array_equal(cmp_admissible(blocks, t, l, d), brute)
+        assert num_admissible_cmp_blocks(t, l, d) == sum(brute), t
+        assert all(max(tokens) == cmp_block_end(i, l, d) for i, tokens in zip(blocks, covered))
+    # Arrays of positions give the same counts as ints, element by element.
+    t = np.arange(-1, 200)
+    np.testing.assert_array_equal(num_admissible_cmp_blocks(t, l, d),
+                                  [num_admissible_cmp_blocks(int(s), l, d) for s in t])
+    cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=max(l, 4 * d))
+    assert [num_cmp_blocks(cfg, n) for n in range(200)] == [
+        num_admissible_cmp_blocks(n - 1, l, d) for n in range(200)]
+
+
+def test_rules_keep_each_framework_type():
+    """The same expression runs on ints, NumPy, JAX (traced too) and PyTorch, keeping the dtype."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    cfg = NSAConfig.paper()
+    t = [0, 30, 31, 47, 48, 65535]
+    want = [decode_read_bound(cfg, s) for s in t]
+    assert isinstance(want[0], int) and want[0] == 16 * 64 + 512
+    got_jax = jax.jit(lambda t: decode_read_bound(cfg, t))(jnp.asarray(t, jnp.int32))
+    assert got_jax.dtype == jnp.int32 and got_jax.tolist() == want
+    got_torch = decode_read_bound(cfg, torch.tensor(t))
+    assert got_torch.dtype == torch.int64 and got_torch.tolist() == want
+    counts = num_admissible_cmp_blocks(torch.tensor(t), cfg.cmp_block, cfg.cmp_stride)
+    assert counts.tolist() == [0, 0, 1, 2, 2, 4095]
 
 
 def test_bruteforce_full_window_and_all_blocks_equal_causal_attention():

@@ -304,3 +304,38 @@ def test_prepared_params_project_in_one_gemm(shared_kv):
     y_plain, _, _ = nsa_jax.decode_step(params, x[:, 11:12], cfg, cache)
     y_fused, _, _ = nsa_jax.decode_step(prepared, x[:, 11:12], cfg, cache)
     assert rel_err(y_fused, y_plain) <= F32_TOL
+
+
+def test_decode_takes_every_backend_form(monkeypatch):
+    """decode_step and a chunked prefill reach the backends only through the dispatch's decode
+    entries, in the layer's forms: a sequence is tried in order for each entry (a backend may
+    have some entries only, or refuse an input); a lone name that lacks one is an error."""
+    dispatch = nsa_jax.dispatch
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    queries = []
+
+    def refuses(*args, **kwargs):
+        raise NotImplementedError("test backend refuses every input")
+
+    def counting_window(q, *args, **kwargs):
+        queries.append(q.shape[1])
+        return dispatch.xla.decode_selected_window_attention(q, *args, **kwargs)
+
+    nsa_jax.register_backend("decode_compressed_attention", "test-decode", refuses)
+    nsa_jax.register_backend("decode_selected_window_attention", "test-decode", counting_window)
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 24, jnp.float32, seed=15)
+    _, cache = nsa_jax.prefill(params, x[:, :20], cfg, nsa_jax.init_cache(cfg, 2, 24))
+    y_ref, after_ref, _ = nsa_jax.decode_step(params, x[:, 20:21], cfg, cache)
+    for backend in (("test-decode", "xla"), ["xla"]):
+        y, after, _ = nsa_jax.decode_step(params, x[:, 20:21], cfg, cache, backend=backend)
+        np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(after.lengths, after_ref.lengths)
+    assert queries == [1]
+    with pytest.raises(ValueError, match=r"no backend of \['test-decode'\]"):
+        nsa_jax.decode_step(params, x[:, 20:21], cfg, cache, backend="test-decode")
+    # A chunk on a non-empty cache: its 3 queries through the same entries.
+    y_chunk_ref, _ = nsa_jax.prefill(params, x[:, 20:23], cfg, cache)
+    y_chunk, _ = nsa_jax.prefill(params, x[:, 20:23], cfg, cache, backend=("test-decode", "xla"))
+    np.testing.assert_allclose(y_chunk, y_chunk_ref, rtol=1e-6, atol=1e-6)
+    assert queries == [1, 3]

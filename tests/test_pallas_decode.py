@@ -280,3 +280,17 @@ def test_decode_step_pallas_under_x64(x64):
     assert rel_err(y_t[:, 0], ref[:, 19]) <= F32_TOL
     assert after.lengths.dtype == jnp.int32
     assert all(v.dtype == jnp.int32 for v in reads.values())
+
+
+def test_chunked_prefill_on_pallas_runs_the_chunk_on_xla():
+    """A chunk of several queries on a non-empty cache: the Pallas decode kernels take one query
+    per sequence and refuse it, so "pallas" runs it on XLA's chunk functions (ranked by the
+    Pallas selection's banded scores): the outputs and blocks of "xla"."""
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 40, jnp.float32, seed=16)
+    _, cache = nsa_jax.prefill(params, x[:, :21], cfg, nsa_jax.init_cache(cfg, 2, 40))
+    want, _, aux_want = nsa_jax.prefill(params, x[:, 21:30], cfg, cache, return_aux=True)
+    got, _, aux = nsa_jax.prefill(params, x[:, 21:30], cfg, cache, backend="pallas",
+                                  return_aux=True)
+    assert rel_err(got, want) <= F32_TOL
+    np.testing.assert_array_equal(aux["block_idx"], aux_want["block_idx"])

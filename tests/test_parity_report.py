@@ -34,6 +34,31 @@ def test_report_passes_on_default_preset(default_rows):
     assert names["y"].error < 1e-5
 
 
+def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
+    """The decode rows hand the report's JAX backend to prefill and decode_step (so
+    `--jax-backend pallas` compares the Pallas decode kernels); here the calls are recorded and
+    then run on XLA, which keeps the check fast on a CPU."""
+    from parity.report import _Runner
+
+    seen = []
+
+    def recording(fn):
+        def run(*args, backend, **kwargs):
+            seen.append((fn.__name__, tuple(backend)))
+            return fn(*args, backend="xla", **kwargs)
+        return run
+
+    monkeypatch.setattr(nsa_jax, "prefill", recording(nsa_jax.prefill))
+    monkeypatch.setattr(nsa_jax, "decode_step", recording(nsa_jax.decode_step))
+    runner = _Runner(ParitySettings(cfg=NSAConfig.tiny(), seq_len=56, decode_steps=2,
+                                    jax_backend="pallas"))
+    rows = runner.decode_rows()
+    assert [row.name for row in rows] == [row.name for row in default_rows
+                                          if row.section == "decode"]
+    assert all(row.passed for row in rows)
+    assert set(seen) == {("prefill", ("pallas", "xla")), ("decode_step", ("pallas", "xla"))}
+
+
 def test_report_fails_on_the_perturbed_branch():
     rows = _by_name(run_report(ParitySettings(cfg=NSAConfig.tiny(), seq_len=40, decode_steps=1,
                                               perturb="wk.win"), progress=False))

@@ -1,9 +1,12 @@
 """The `"xla"` backend: exact, chunked over queries, plain `jax.numpy` / `lax`.
 
-One module per branch; `nsa_jax.dispatch` registers them. Runtime knobs live in `XlaOptions`.
+One module per branch, and `decode` for the decode entries; `nsa_jax.dispatch` registers them.
+Runtime knobs live in `XlaOptions`.
 """
 from nsa_jax.xla.compress import compress_blocks, compress_kv
 from nsa_jax.xla.compressed_attention import compressed_attention
+from nsa_jax.xla.decode import (decode_compressed_attention, decode_select_blocks,
+                                decode_selected_window_attention)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 from nsa_jax.xla.select_blocks import select_blocks, top_blocks
 from nsa_jax.xla.selected_attention import selected_attention
@@ -15,6 +18,9 @@ __all__ = [
     "compress_blocks",
     "compress_kv",
     "compressed_attention",
+    "decode_compressed_attention",
+    "decode_select_blocks",
+    "decode_selected_window_attention",
     "select_blocks",
     "selected_attention",
     "sliding_window_attention",

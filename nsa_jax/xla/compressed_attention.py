@@ -6,7 +6,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from nsa_common import NSAConfig
+from nsa_common import NSAConfig, cmp_block_end
 from nsa_jax.segments import Segments, single_sequence
 from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
                                 merge_heads, split_heads)
@@ -32,7 +32,7 @@ def cmp_probabilities(q: jax.Array, k_cmp: jax.Array, q_pos: jax.Array, q_seg: j
 
 def cmp_block_metadata(segments: Segments, cfg: NSAConfig):
     """`(cmp_last [C], cmp_seg [C])` of `cmp_probabilities`."""
-    return segments.cmp_local * cfg.cmp_stride + cfg.cmp_block - 1, segments.cmp_seg
+    return cmp_block_end(segments.cmp_local, cfg.cmp_block, cfg.cmp_stride), segments.cmp_seg
 
 
 def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig, *,
