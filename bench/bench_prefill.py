@@ -422,7 +422,8 @@ def torch_kernels(args):
     import importlib
 
     # Fast paths register themselves with `dispatch` when imported.
-    for module in ("nsa_torch_ref.triton_selection", "nsa_torch_ref.fa2", "nsa_torch_ref.routing"):
+    for module in ("nsa_torch_ref.fast.triton_selection", "nsa_torch_ref.fast.fa2",
+                   "nsa_torch_ref.fast.routing"):
         try:
             importlib.import_module(module)
         except Exception:
@@ -564,7 +565,7 @@ def run_fla(args, S: int, row: str):
     if fla_parallel.flash_attn_func is None:
         # fla's window branch calls the flash_attn package, absent here: give it torch's own
         # FA-2 kernel through nsa_torch_ref.fa2 (same mask: causal, window_size = (w - 1, 0)).
-        from nsa_torch_ref.fa2 import sliding_window_attention_fa2
+        from nsa_torch_ref.fast.fa2 import sliding_window_attention_fa2
 
         def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
             if not causal or window_size[1] != 0:

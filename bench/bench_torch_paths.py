@@ -193,7 +193,7 @@ def load_triton(device: str, interpreter_problem: Optional[str]) -> str:
     if device == "cpu" and interpreter_problem:
         raise Skip(f"Triton's interpreter is unusable: {interpreter_problem}")
     try:
-        from nsa_torch_ref import triton_selection
+        from nsa_torch_ref.fast import triton_selection
     except ImportError as exc:
         raise Skip(f"triton not importable ({exc})") from None
     if device == "cpu" and not triton_selection._interpreted():
@@ -209,7 +209,7 @@ def fa2_kernels_run() -> Iterator[list[str]]:
     The calls are looked up as module globals at call time, so wrapping the attributes for the
     block sees every one; they are restored on exit.
     """
-    from nsa_torch_ref import fa2
+    from nsa_torch_ref.fast import fa2
 
     ran: list[str] = []
     originals = {}
@@ -235,7 +235,7 @@ def fa2_kernels_run() -> Iterator[list[str]]:
 
 def _fa2_precheck(problem: Problem, args) -> None:
     """Skip before running when fa2's kernel choice already says "reference" (CPU, float32)."""
-    from nsa_torch_ref import fa2
+    from nsa_torch_ref.fast import fa2
 
     kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.dk, args.dv))
     if kernel == "reference":
@@ -243,7 +243,7 @@ def _fa2_precheck(problem: Problem, args) -> None:
 
 
 def _fa2_fallback_reason(problem: Problem, args) -> str:
-    from nsa_torch_ref import fa2
+    from nsa_torch_ref.fast import fa2
 
     kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.dk, args.dv))
     if kernel == "reference":
@@ -732,7 +732,7 @@ def parse_args(argv=None):
 
 def _fa2_versions() -> dict:
     try:
-        from nsa_torch_ref import fa2
+        from nsa_torch_ref.fast import fa2
         return fa2.versions()
     except Exception as exc:  # informational only
         return {"error": common.short_error(exc)}

@@ -1,9 +1,13 @@
-"""PyTorch reference implementation of Native Sparse Attention (docs/NSA_SPEC.md).
+"""PyTorch implementation of Native Sparse Attention (docs/NSA_SPEC.md): the reference here,
+the fast paths in `nsa_torch_ref.fast`.
 
-`NSAAttention` is the layer; the kernel-level functions below are the reference ("packed SDPA /
-gather") path of its branches, which `dispatch` registers as backend "sdpa". The fast paths
-register as "triton" (selection), "fa2" (window, compressed) and "auto" (the runtime toggles of
-`routing`, docs/TORCH_RUNTIME.md); their kernels are imported only when first called.
+Top level, plain torch (float64-exact, any device): `reference` (the kernel-level functions, the
+"packed SDPA / gather" path that `dispatch` registers as backend "sdpa"), `module`
+(`NSAAttention`), `decode` (cache, prefill, decode step) and `dispatch` (ordered fallbacks over
+the backends of each branch). `fast`: the Triton selection kernel ("triton"), the FlashAttention-2
+paths ("fa2"), and the runtime toggles with the routing that follows them ("auto";
+docs/TORCH_RUNTIME.md). They are registered with `dispatch` on import; their kernels are
+imported only when first called.
 """
 from nsa_common import NSAConfig
 from nsa_torch_ref import dispatch
@@ -17,7 +21,7 @@ from nsa_torch_ref.reference import (
     selected_attention,
     sliding_window_attention,
 )
-from nsa_torch_ref.routing import register_fast_paths
+from nsa_torch_ref.fast import register_fast_paths
 
 register_fast_paths()
 

@@ -1,25 +1,45 @@
 """The one dispatch point between the NSA layer and the attention kernels of its three branches.
 
-A backend is a function with the kernel-level signature of its branch (docs/DESIGN.md):
+Same shape as `nsa_jax.dispatch`: a registry maps `(branch, backend name)` to a function, and a
+caller chooses, per branch, one name or an ordered sequence of names. `call` runs the first
+backend of the choice that serves the input. A backend that cannot (a dtype, a device, a head
+dim its kernels lack) raises `NotImplementedError` with the reason (usually `Unsupported`) and the
+next one runs; when none is left, `NoBackendError` lists every reason. A single name never
+silently changes path: `("triton", "sdpa")` falls back to the reference, `"triton"` does not.
+
+A backend has the kernel-level signature of its branch (docs/DESIGN.md):
 
 - "compressed_attention":     fn(q, k_cmp, v_cmp, cfg, *, scale=None) -> [B, T, H, d_v]
 - "selected_attention":       fn(q, k, v, block_idx, block_size, scale=None) -> [B, T, H, d_v]
 - "sliding_window_attention": fn(q, k, v, window, scale=None) -> [B, T, H, d_v]
 
-"sdpa" (the reference path in `reference.py`) is registered for every branch here; other modules
-(Triton, FA-2) add theirs with `register` when they are imported. `NSAAttention` asks `resolve`
-for its functions and never imports a kernel directly.
+"sdpa", the reference path of `reference.py`, is registered for every branch here and is the
+default; `nsa_torch_ref.fast` registers "triton", "fa2" and "auto" (docs/TORCH_RUNTIME.md).
+`compress_kv` and `select_blocks` have a single implementation (`reference.py`), called directly.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from functools import partial
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from nsa_torch_ref import reference
 
 BRANCHES = ("compressed_attention", "selected_attention", "sliding_window_attention")
 DEFAULT_BACKEND = "sdpa"
 
+Backend = Union[str, Sequence[str]]  # one name, or names tried in order
+
 _TABLE: dict[str, dict[str, Callable]] = {branch: {} for branch in BRANCHES}
+
+
+class Unsupported(NotImplementedError, ValueError):
+    """Raised by a backend for an input it cannot serve (the reason in the message): `call`
+    moves on to the next backend. Also a ValueError: called on its own, the backend was given an
+    argument it does not take (e.g. float64 for a kernel of fp16/bf16/fp32)."""
+
+
+class NoBackendError(NotImplementedError, ValueError):
+    """No backend of the caller's choice serves the input; the message has each one's reason."""
 
 
 def _check_branch(branch: str) -> None:
@@ -44,7 +64,8 @@ def available(branch: str) -> tuple[str, ...]:
 
 
 def resolve(branch: str, name: str) -> Callable:
-    """The function of backend `name` for `branch`; ValueError listing the known ones if absent."""
+    """The function of backend `name` for `branch` (no fallback); ValueError listing the known
+    ones if absent."""
     _check_branch(branch)
     if name not in _TABLE[branch]:
         raise ValueError(f"unknown backend {name!r} for {branch!r}; known backends: "
@@ -52,13 +73,45 @@ def resolve(branch: str, name: str) -> Callable:
     return _TABLE[branch][name]
 
 
-def resolve_all(backends: Optional[Mapping[str, str]] = None) -> dict[str, Callable]:
-    """{branch: function} for a `{branch: backend name}` mapping; missing branches use "sdpa"."""
+def backend_names(branch: str, backend: Backend) -> tuple[str, ...]:
+    """`backend` (a name or a sequence of names) as a tuple, each name registered for `branch`."""
+    names = (backend,) if isinstance(backend, str) else tuple(backend)
+    if not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"backend ({backend!r}) of {branch!r} must be a name or a non-empty "
+                         "sequence of names")
+    for name in names:
+        resolve(branch, name)
+    return names
+
+
+def call(branch: str, backend: Backend, *args,
+         on_refusal: Optional[Callable[[str, NotImplementedError], None]] = None, **kwargs):
+    """Run `branch` on the first backend of `backend` that serves the input.
+
+    on_refusal(name, error), when given, hears of each backend that refused (e.g. to log it).
+    """
+    names = backend_names(branch, backend)
+    reasons = []
+    for name in names:
+        try:
+            return _TABLE[branch][name](*args, **kwargs)
+        except NotImplementedError as error:
+            reasons.append(f"{name!r}: {error}")
+            if on_refusal is not None:
+                on_refusal(name, error)
+    raise NoBackendError(f"no backend of {list(names)} can run {branch}: " + "; ".join(reasons))
+
+
+def resolve_all(backends: Optional[Mapping[str, Backend]] = None) -> dict[str, Callable]:
+    """{branch: function running `call` on that branch's choice} for a `{branch: backend}`
+    mapping; a missing branch uses "sdpa"."""
     backends = dict(backends or {})
     unknown = sorted(set(backends) - set(BRANCHES))
     if unknown:
         raise ValueError(f"backends has unknown branches {unknown}; branches are {list(BRANCHES)}")
-    return {branch: resolve(branch, backends.get(branch, DEFAULT_BACKEND)) for branch in BRANCHES}
+    return {branch: partial(call, branch, backend_names(branch, backends.get(branch,
+                                                                             DEFAULT_BACKEND)))
+            for branch in BRANCHES}
 
 
 register("compressed_attention", DEFAULT_BACKEND, reference.compressed_attention)

@@ -1,9 +1,10 @@
 """`NSAAttention`: the NSA layer (docs/NSA_SPEC.md, "The layer") as a thin `nn.Module`.
 
 The work is done by functions on a parameter tree (`params["wk"]["cmp"]`, the same nesting as
-the JAX pytree): `project`, `compress_branch_kv`, `combine` and `nsa_forward`. The module holds
-the parameters, validates its inputs, loops over packed sequences and picks the branch kernels
-through `dispatch`. `decode.py` reuses `project`, `compress_branch_kv` and `combine`.
+the JAX pytree; `nest_params` / `flatten_params` convert from / to the module's dotted names):
+`project`, `compress_branch_kv`, `combine` and `nsa_forward`. The module holds the parameters,
+validates its inputs, loops over packed sequences and runs the branch kernels through
+`dispatch`. `decode.py` reuses `project`, `compress_branch_kv` and `combine`.
 """
 from __future__ import annotations
 
@@ -15,12 +16,36 @@ from torch import nn
 
 from nsa_common import NSAConfig
 from nsa_torch_ref import dispatch
-from nsa_torch_ref.reference import apply_rope, compress_kv, select_blocks
+from nsa_torch_ref.reference import apply_rope, check_cu_seqlens, compress_kv, select_blocks
 
 KV_BRANCHES = ("cmp", "sel", "win")
 AUX_KEYS = ("o_cmp", "o_sel", "o_win", "gates", "block_idx")
 
 Params = Mapping[str, Any]  # {"wq": T, "wk": {"cmp": T, ...}, "cmp_k": {"pos": T, ...}, ...}
+
+
+def nest_params(flat: Mapping[str, Any]) -> dict:
+    """{"wq": T, "wk.cmp": T, ...} (`named_parameters` names) -> {"wq": T, "wk": {"cmp": T}, ...}."""
+    nested: dict = {}
+    for name, value in flat.items():
+        outer, _, inner = name.partition(".")
+        if inner:
+            nested.setdefault(outer, {})[inner] = value
+        else:
+            nested[outer] = value
+    return nested
+
+
+def flatten_params(nested: Mapping[str, Any]) -> dict:
+    """The inverse of `nest_params`: {"wk": {"cmp": T}, ...} -> {"wk.cmp": T, ...}."""
+    flat = {}
+    for outer, value in nested.items():
+        if isinstance(value, Mapping):
+            for inner, leaf in value.items():
+                flat[f"{outer}.{inner}"] = leaf
+        else:
+            flat[outer] = value
+    return flat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +142,8 @@ class NSAAttention(nn.Module):
     `cmp_k.{pos,w1,b1,w2,b2}` / `cmp_v.*` (compress="mlp" only), `wg [d_model, H*3]`, `bg [H*3]`,
     `wo [H*d_v, d_model]`.
 
-    backends: {branch: backend name} for the branches of `dispatch.BRANCHES`; default "sdpa".
+    backends: {branch: backend} for the branches of `dispatch.BRANCHES`, a backend being one
+    name or names tried in order (`("triton", "sdpa")`); default "sdpa".
     """
 
     def __init__(self, cfg: NSAConfig, backends: Optional[Mapping[str, str]] = None, *,
@@ -126,9 +152,9 @@ class NSAAttention(nn.Module):
         if not isinstance(cfg, NSAConfig):
             raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self.backends = {b: dict(backends or {}).get(b, dispatch.DEFAULT_BACKEND)
-                         for b in dispatch.BRANCHES}
         dispatch.resolve_all(backends)  # unknown branch or backend fails here, not mid-forward
+        self.backends = {b: dispatch.backend_names(b, dict(backends or {}).get(
+            b, dispatch.DEFAULT_BACKEND)) for b in dispatch.BRANCHES}
         factory = dict(device=device, dtype=dtype)
         D, H, G = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         kv_names = ("shared",) if cfg.shared_kv else KV_BRANCHES
@@ -146,16 +172,11 @@ class NSAAttention(nn.Module):
 
     def param_tree(self) -> dict:
         """The parameters nested as the JAX pytree: {"wq": T, "wk": {"cmp": T, ...}, ...}."""
-        tree: dict = {}
-        for name, param in self.named_parameters():
-            outer, _, inner = name.partition(".")
-            if inner:
-                tree.setdefault(outer, {})[inner] = param
-            else:
-                tree[outer] = param
-        return tree
+        return nest_params(dict(self.named_parameters()))
 
-    def _check_inputs(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor]) -> None:
+    def _check_inputs(self, x: torch.Tensor,
+                      cu_seqlens: Optional[torch.Tensor]) -> Optional[list[int]]:
+        """ValueError on a bad input; the packed sequences' bounds (None without cu_seqlens)."""
         cfg = self.cfg
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != cfg.d_model:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -170,21 +191,8 @@ class NSAAttention(nn.Module):
             raise ValueError(f"x has dtype {x.dtype} but the layer's parameters are "
                              f"{self.wq.dtype} (convert one of them, e.g. layer.to(x.dtype))")
         if cu_seqlens is None:
-            return
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32:
-            got = cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens)
-            raise ValueError(f"cu_seqlens must be an int32 tensor, got {got}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape "
-                             f"{tuple(cu_seqlens.shape)}")
-        if x.shape[0] != 1:
-            raise ValueError(f"x must have batch size 1 with cu_seqlens, got B = {x.shape[0]}")
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != x.shape[1]:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T = {x.shape[1]}, got "
-                             f"{bounds[0]} .. {bounds[-1]}")
-        if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+            return None
+        return check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], require_int32=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
                 return_aux: bool = False):
@@ -194,13 +202,12 @@ class NSAAttention(nn.Module):
         and windows restart at each start). aux: o_cmp, o_sel, o_win [B, T, H, d_v],
         gates [B, T, H, 3], block_idx int32 [B, T, G, n_sel].
         """
-        self._check_inputs(x, cu_seqlens)
+        bounds = self._check_inputs(x, cu_seqlens)
         params = self.param_tree()
         kernels = dispatch.resolve_all(self.backends)
-        if cu_seqlens is None:
+        if bounds is None:
             y, aux, _ = nsa_forward(params, x, self.cfg, kernels)
         else:
-            bounds = cu_seqlens.tolist()
             parts = [nsa_forward(params, x[:, start:stop], self.cfg, kernels)[:2]
                      for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
             y = torch.cat([part[0] for part in parts], dim=1)

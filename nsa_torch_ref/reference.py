@@ -128,6 +128,32 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, k_name: str
         raise ValueError(f"{k_name} length ({k.shape[1]}) must equal q length ({T})")
 
 
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, length: int, *,
+                     require_int32: bool = False) -> list[int]:
+    """The bounds `[0, ..., T]` of packed sequences, validated: sequence n holds tokens
+    `bounds[n]:bounds[n + 1]` of the one batch row. cu_seqlens: integer (int32 with
+    `require_int32`, as the layer and flash-attn take it) [N + 1], N >= 1; batch, length: B, T."""
+    is_tensor = isinstance(cu_seqlens, torch.Tensor)
+    integer = is_tensor and not (cu_seqlens.is_floating_point() or cu_seqlens.is_complex()
+                                 or cu_seqlens.dtype == torch.bool)
+    if not integer or (require_int32 and cu_seqlens.dtype != torch.int32):
+        got = cu_seqlens.dtype if is_tensor else type(cu_seqlens).__name__
+        raise ValueError(f"cu_seqlens must be an {'int32' if require_int32 else 'integer'} "
+                         f"tensor, got {got}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D [N + 1] with N >= 1, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B = {batch}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != length:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {length}, got "
+                         f"{bounds[0]} .. {bounds[-1]}")
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds
+
+
 def _group(q: torch.Tensor, n_groups: int, dtype: torch.dtype) -> torch.Tensor:
     """[B, T, H, d] -> [B, T, G, h, d]: query head i belongs to group i // h."""
     B, T, H, d = q.shape

@@ -14,6 +14,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from nsa_torch_ref.module import flatten_params, nest_params
+
 _TORCH_TO_NUMPY = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
     torch.bfloat16: ml_dtypes.bfloat16, torch.int64: np.int64, torch.int32: np.int32,
@@ -69,36 +71,14 @@ def jax_to_torch(array: jax.Array, device: str | torch.device | None = None) -> 
     return tensor if device is None else tensor.to(device)
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict:
-    nested: dict = {}
-    for name, value in flat.items():
-        outer, _, inner = name.partition(".")
-        if inner:
-            nested.setdefault(outer, {})[inner] = value
-        else:
-            nested[outer] = value
-    return nested
-
-
-def _flatten(nested: Mapping[str, Any]) -> dict:
-    flat = {}
-    for outer, value in nested.items():
-        if isinstance(value, Mapping):
-            for inner, leaf in value.items():
-                flat[f"{outer}.{inner}"] = leaf
-        else:
-            flat[outer] = value
-    return flat
-
-
 def module_to_params(module: torch.nn.Module, device=None) -> dict:
     """An `nsa_torch_ref.NSAAttention`'s parameters as the `nsa_jax` pytree (same names, shapes)."""
-    return _unflatten({name: torch_to_jax(p, device) for name, p in module.named_parameters()})
+    return nest_params({name: torch_to_jax(p, device) for name, p in module.named_parameters()})
 
 
 def params_to_module(params: Mapping[str, Any], module: torch.nn.Module) -> torch.nn.Module:
     """Copy an `nsa_jax` pytree into `module` in place (names and shapes must match exactly)."""
-    flat = _flatten(params)
+    flat = flatten_params(params)
     own = dict(module.named_parameters())
     if set(flat) != set(own):
         missing, extra = sorted(set(own) - set(flat)), sorted(set(flat) - set(own))

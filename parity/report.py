@@ -17,9 +17,10 @@ import nsa_torch_ref
 from nsa_common import NSAConfig
 from nsa_jax.layer import project as jax_project
 from nsa_torch_ref.module import compress_branch_kv as torch_compress
+from nsa_torch_ref.module import flatten_params
 from parity.compare import (SELECTION_AGREEMENT_MIN, Comparison, as_float64, compare,
                             selection_agreement, tolerance)
-from parity.convert import _flatten, jax_to_torch, module_to_params, params_to_module, torch_to_jax
+from parity.convert import jax_to_torch, module_to_params, params_to_module, torch_to_jax
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -108,7 +109,7 @@ class _Runner:
         self.jax_backend = _jax_backend(s.jax_backend)
 
     def _perturb(self, name: str) -> None:
-        flat = _flatten(self.params)
+        flat = flatten_params(self.params)
         if name not in flat:
             raise ValueError(f"perturb ({name!r}) must name a parameter: {sorted(flat)}")
         outer, _, inner = name.partition(".")
@@ -159,16 +160,14 @@ class _Runner:
         k_cmp_shared, v_cmp_shared = (torch_to_jax(k_cmp_t, self.jax_device),
                                       torch_to_jax(v_cmp_t, self.jax_device))
         backend = self.jax_backend
-        kernels = self.module.backends
-        resolve = nsa_torch_ref.dispatch.resolve
+        kernels = nsa_torch_ref.dispatch.resolve_all(self.module.backends)
         with torch.no_grad():
-            o_cmp_t = resolve("compressed_attention", kernels["compressed_attention"])(
-                tp["q"], k_cmp_t, v_cmp_t, cfg)
+            o_cmp_t = kernels["compressed_attention"](tp["q"], k_cmp_t, v_cmp_t, cfg)
             block_idx_t = nsa_torch_ref.select_blocks(tp["q"], k_cmp_t, cfg)
-            o_sel_t = resolve("selected_attention", kernels["selected_attention"])(
-                tp["q"], tp["k_sel"], tp["v_sel"], block_idx_t, cfg.sel_block)
-            o_win_t = resolve("sliding_window_attention", kernels["sliding_window_attention"])(
-                tp["q"], tp["k_win"], tp["v_win"], cfg.window)
+            o_sel_t = kernels["selected_attention"](tp["q"], tp["k_sel"], tp["v_sel"],
+                                                    block_idx_t, cfg.sel_block)
+            o_win_t = kernels["sliding_window_attention"](tp["q"], tp["k_win"], tp["v_win"],
+                                                          cfg.window)
         o_cmp_j = nsa_jax.compressed_attention(proj["q"], k_cmp_shared, v_cmp_shared, cfg,
                                                backend=backend)
         block_idx_j = nsa_jax.select_blocks(proj["q"], k_cmp_shared, cfg, backend=backend)
@@ -200,7 +199,7 @@ class _Runner:
         grad_p, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(self.params,
                                                                  self.x_jax[:, : s.seq_len])
         rows = [_row("grad", compare("d x", grad_x, x_t.grad, self.tol("grad")))]
-        flat = _flatten(grad_p)
+        flat = flatten_params(grad_p)
         references = {name: as_float64(p.grad if p.grad is not None else torch.zeros_like(p))
                       for name, p in self.module.named_parameters()}
         everything = np.concatenate([g.ravel() for g in references.values()])

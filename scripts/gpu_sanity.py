@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_common import NSAConfig  # noqa: E402
 from nsa_torch_ref import NSAAttention, decode_step, init_cache, prefill  # noqa: E402
-from nsa_torch_ref import routing, runtime  # noqa: E402
+from nsa_torch_ref.fast import routing, runtime  # noqa: E402
 
 TOL = 1e-2
 BRANCHES = {  # short name: (gate column, dispatch branch, environment that forces its path)

@@ -8,7 +8,7 @@
 #   wheels      install the carried wheels of .whl/ (flash_attn3_jax, fla-core, ...) into
 #               /tmp/site without network and put it on PYTHONPATH
 #   env         nvidia-smi, versions, commit -> env.json, nvidia-smi.txt, pip_freeze.txt
-#   routing     python -m nsa_torch_ref.routing -> routing.json
+#   routing     python -m nsa_torch_ref.fast -> routing.json
 #   sanity      python scripts/gpu_sanity.py
 #   parity_*    python -m parity --device gpu (XLA vs SDPA, then Pallas vs Triton/FA-2, bf16)
 #   pytest_gpu  python -m pytest -m gpu tests (the GPU test matrix) -> pytest_gpu.xml
@@ -144,7 +144,7 @@ run_step env 90 bash -c "$(declare -f collect_env); ART='$ART' PY='$PY' collect_
 # run at once, which takes the run from ~12 to under 10 minutes. The benchmarks run afterwards,
 # alone on the GPU, one after the other.
 correctness_step() { if [ "${RUNNER_PARALLEL:-1}" = 1 ]; then run_step "$@" & else run_step "$@"; fi; }
-correctness_step routing 60 bash -c "set -o pipefail; '$PY' -m nsa_torch_ref.routing | tee '$ART/routing.json'"
+correctness_step routing 60 bash -c "set -o pipefail; '$PY' -m nsa_torch_ref.fast | tee '$ART/routing.json'"
 correctness_step sanity 120 "$PY" scripts/gpu_sanity.py
 correctness_step parity_xla 150 "$PY" -m parity --device gpu --json "$ART/parity_xla_sdpa.json"
 correctness_step parity_fast 150 "$PY" -m parity --device gpu --dtype bfloat16 \

@@ -108,7 +108,8 @@ def test_random_block_idx_is_valid():
 
 
 def test_fa2_probe_sees_the_reference_fallback_and_restores():
-    from nsa_torch_ref import dispatch, fa2
+    from nsa_torch_ref import dispatch
+    from nsa_torch_ref.fast import fa2
 
     cfg = NSAConfig(n_heads=2, n_kv_heads=1, d_k=16, d_v=16, cmp_block=8, cmp_stride=4,
                     sel_block=16, n_sel=3, window=16)

@@ -106,7 +106,7 @@ def test_torch_reference_layer_matches_bruteforce(case):
 @given(case=layer_cases())
 def test_torch_fast_paths_match_bruteforce(case):
     """float32: the Triton kernels take float32 / bf16 / fp16 only."""
-    from nsa_torch_ref import routing, triton_selection
+    from nsa_torch_ref.fast import routing, triton_selection
 
     if not torch.cuda.is_available() and not triton_selection._interpreted():
         if os.environ.get("TRITON_INTERPRET") != "1":

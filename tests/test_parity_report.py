@@ -9,7 +9,8 @@ import nsa_jax
 import nsa_torch_ref
 from nsa_common import NSAConfig
 from parity.__main__ import main
-from parity.convert import _flatten, module_to_params, params_to_module
+from nsa_torch_ref.module import flatten_params as _flatten
+from parity.convert import module_to_params, params_to_module
 from parity.report import ParitySettings, run_report
 
 

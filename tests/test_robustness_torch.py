@@ -135,7 +135,7 @@ def test_fa2_wrappers_isolate_nonfinite_tokens(branch, packed):
     the kernel does with masked keys (on a CPU they run the reference; the GPU test runs the
     kernels). Packed: a NaN in the second sequence leaves the first and its own prefix alone."""
     from nsa_common import num_cmp_blocks
-    from nsa_torch_ref import fa2
+    from nsa_torch_ref.fast import fa2
     cfg = CFG
     gen = torch.Generator().manual_seed(4)
     G, H = cfg.n_kv_heads, cfg.n_heads

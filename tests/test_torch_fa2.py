@@ -1,4 +1,4 @@
-"""FA-2 paths (nsa_torch_ref/fa2.py) on CPU: path selection and argument translation.
+"""FA-2 paths (nsa_torch_ref/fast/fa2.py) on CPU: path selection and argument translation.
 
 No FlashAttention kernel runs on CPU, so the kernels are replaced by stand-ins that implement
 their documented semantics with explicit masks (flash_attn's `causal` is bottom-right aligned,
@@ -18,7 +18,8 @@ import torch
 
 from bruteforce import bf_compressed_attention, bf_sliding_window_attention
 from nsa_common import NSAConfig, num_cmp_blocks
-from nsa_torch_ref import fa2, reference, runtime
+from nsa_torch_ref import reference
+from nsa_torch_ref.fast import fa2, runtime
 
 TOL = 1e-5  # float32 path against the float64 brute force (relative error)
 CFG = NSAConfig.tiny()  # l = 8, d = 4, d_k = 16, d_v = 8, H = 4, G = 2

@@ -1,4 +1,4 @@
-"""Runtime toggles (nsa_torch_ref/runtime.py) and routing (nsa_torch_ref/routing.py).
+"""Runtime toggles (nsa_torch_ref/fast/runtime.py) and routing (nsa_torch_ref/fast/routing.py).
 
 Precedence is environment > profile > base; a malformed value names its variable. Routing is
 tested on `torch.device("cuda")` objects, which need no GPU: only the decision is checked here.
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nsa_common import NSAConfig
-from nsa_torch_ref import dispatch, routing, runtime
+from nsa_torch_ref import dispatch
+from nsa_torch_ref.fast import routing, runtime
 
 CUDA = torch.device("cuda")
 
@@ -195,7 +196,7 @@ def test_main_prints_json(env, capsys):
 
 
 def test_module_entry_point(env):
-    done = subprocess.run([sys.executable, "-m", "nsa_torch_ref.routing", "--device", "cpu"],
+    done = subprocess.run([sys.executable, "-m", "nsa_torch_ref.fast", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "NSA_USE_FA2": "1"})
     assert done.returncode == 0, done.stderr

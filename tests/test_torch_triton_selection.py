@@ -1,8 +1,8 @@
-"""Triton selected attention (nsa_torch_ref/triton_selection.py), forward and backward.
+"""Triton selected attention (nsa_torch_ref/fast/triton_selection.py), forward and backward.
 
 Without CUDA the kernels run under the Triton interpreter: TRITON_INTERPRET=1 has to be in the
 environment when `@triton.jit` decorates them (Triton 3.9 reads it then), so it is set here
-before `nsa_torch_ref.triton_selection` is imported, and the module is reloaded if an earlier
+before `nsa_torch_ref.fast.triton_selection` is imported, and the module is reloaded if an earlier
 import built GPU kernels. With CUDA the same tests run the compiled kernels on the GPU.
 
 Reference: a float64 gather implementation written here (autograd gives its gradients), and
@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from bruteforce import bf_selected_attention  # noqa: E402
 from nsa_common import NSAConfig  # noqa: E402
 from nsa_torch_ref import reference  # noqa: E402
-from nsa_torch_ref import triton_selection as ts  # noqa: E402
+from nsa_torch_ref.fast import triton_selection as ts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not ts._interpreted():

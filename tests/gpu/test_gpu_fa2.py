@@ -14,7 +14,8 @@ from nsa_common import NSAConfig, num_cmp_blocks
 pytestmark = GPU
 
 if torch.cuda.is_available():
-    from nsa_torch_ref import fa2, reference, runtime
+    from nsa_torch_ref import reference
+    from nsa_torch_ref.fast import fa2, runtime
 
     COMPRESSED_REFERENCE = fa2._compressed_reference
 

@@ -15,7 +15,7 @@ from nsa_common import NSAConfig, num_cmp_blocks
 pytestmark = GPU
 
 if torch.cuda.is_available():
-    from nsa_torch_ref import fa2, triton_selection
+    from nsa_torch_ref.fast import fa2, triton_selection
 
 CFG = NSAConfig(n_heads=16, n_kv_heads=2, d_k=128, d_v=128, cmp_block=32, cmp_stride=16,
                 sel_block=64, n_sel=8, window=256)

@@ -16,7 +16,7 @@ pytestmark = GPU
 
 if torch.cuda.is_available():
     from nsa_torch_ref import reference
-    from nsa_torch_ref.triton_selection import selected_attention_triton
+    from nsa_torch_ref.fast.triton_selection import selected_attention_triton
 
 
 def _inputs(cfg: NSAConfig, B: int, T: int, dtype, seed=0):

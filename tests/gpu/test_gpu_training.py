@@ -14,7 +14,8 @@ from nsa_common import NSAConfig
 pytestmark = GPU
 
 if torch.cuda.is_available():
-    from nsa_torch_ref import NSAAttention, routing, runtime
+    from nsa_torch_ref import NSAAttention
+    from nsa_torch_ref.fast import routing, runtime
 
 CFG = NSAConfig(d_model=256, n_heads=8, n_kv_heads=2, d_k=64, d_v=64, cmp_block=32,
                 cmp_stride=16, sel_block=32, n_sel=4, window=64)

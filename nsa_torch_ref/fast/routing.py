@@ -5,11 +5,13 @@ runtime toggles (`runtime.load`: environment > profile > base). Backend names ar
 `dispatch` names: "sdpa" (the reference), "triton" (selected attention), "fa2" (window and
 compressed branches).
 
-`register_fast_paths()` adds "triton", "fa2" and "auto" to `dispatch`; "auto" asks `route` on
-every call, so `NSAAttention(cfg, backends={b: "auto" for b in dispatch.BRANCHES})` follows the
-toggles. The kernels are imported on first use, so registering needs neither Triton nor a GPU.
+`register_fast_paths()` adds "triton", "fa2" and "auto" to `dispatch`. "auto" asks `route` on
+every call and runs the chosen backend with the reference after it (`dispatch.call(branch,
+(name, "sdpa"))`), so `NSAAttention(cfg, backends={b: "auto" for b in dispatch.BRANCHES})`
+follows the toggles, and a call the chosen kernel refuses runs on the reference. The Triton
+kernels are imported on first use, so registering needs neither Triton nor a GPU.
 
-`python -m nsa_torch_ref.routing [--seq-len N] [--requires-grad] [--device D] [--dtype T]`
+`python -m nsa_torch_ref.fast [--seq-len N] [--requires-grad] [--device D] [--dtype T]`
 prints the decision for each branch as JSON, with the profile, the toggles and the versions.
 """
 from __future__ import annotations
@@ -23,14 +25,14 @@ from typing import Optional
 
 import torch
 
-from nsa_torch_ref import runtime
+from nsa_torch_ref import dispatch
+from nsa_torch_ref.fast import fa2, runtime
 
-REFERENCE = "sdpa"
+REFERENCE = dispatch.DEFAULT_BACKEND
 TRITON = "triton"
 FA2 = "fa2"
 AUTO = "auto"
-BRANCHES = ("compressed_attention", "selected_attention", "sliding_window_attention")
-FA2_DTYPES = (torch.float16, torch.bfloat16)
+BRANCHES = dispatch.BRANCHES
 
 
 def _triton_usable(device: torch.device) -> tuple[bool, str]:
@@ -46,7 +48,7 @@ def _triton_usable(device: torch.device) -> tuple[bool, str]:
 def _fa2_usable(device: torch.device, dtype: Optional[torch.dtype]) -> tuple[bool, str]:
     if device.type != "cuda":
         return False, f"device {device.type}: FlashAttention-2 needs CUDA"
-    if dtype is not None and dtype not in FA2_DTYPES:
+    if dtype is not None and dtype not in fa2.FLASH_DTYPES:
         return False, f"dtype {dtype}: FlashAttention-2 takes float16/bfloat16"
     return True, "CUDA device"
 
@@ -108,18 +110,13 @@ def backends_for(*, seq_len: int, requires_grad: bool, device,
 # Registration with dispatch
 # ---------------------------------------------------------------------------------------------
 def _triton_selected_attention(q, k, v, block_idx, block_size, scale=None):
-    from nsa_torch_ref.triton_selection import selected_attention_triton
+    """The Triton kernels, imported on the first call (`triton_selection` reads
+    TRITON_INTERPRET when it is imported)."""
+    try:
+        from nsa_torch_ref.fast.triton_selection import selected_attention_triton
+    except ImportError as error:
+        raise dispatch.Unsupported(f"the Triton kernels cannot be imported ({error})") from None
     return selected_attention_triton(q, k, v, block_idx, block_size, scale)
-
-
-def _fa2_compressed_attention(q, k_cmp, v_cmp, cfg, *, scale=None):
-    from nsa_torch_ref.fa2 import compressed_attention_fa2
-    return compressed_attention_fa2(q, k_cmp, v_cmp, cfg, scale=scale)
-
-
-def _fa2_sliding_window_attention(q, k, v, window, scale=None):
-    from nsa_torch_ref.fa2 import sliding_window_attention_fa2
-    return sliding_window_attention_fa2(q, k, v, window, scale)
 
 
 def _requires_grad(*tensors) -> bool:
@@ -127,15 +124,19 @@ def _requires_grad(*tensors) -> bool:
 
 
 def _auto(branch: str):
-    from nsa_torch_ref import dispatch
-
     def call(q, k, v, *args, **kwargs):
         config = runtime.load(q.device)
         name, reason = route(branch, seq_len=q.shape[1], requires_grad=_requires_grad(q, k, v),
                              device=q.device, dtype=q.dtype, config=config)
         runtime.debug_log(f"route:{branch}", f"{branch} -> {name}: {reason}", config)
+
+        def refused(backend: str, error: NotImplementedError) -> None:
+            runtime.debug_log(f"refused:{branch}", f"{branch}: {backend} refused the call "
+                              f"({error}); trying the next backend", config)
+
         with runtime.timed(f"{branch}[{name}]", config):
-            return dispatch.resolve(branch, name)(q, k, v, *args, **kwargs)
+            return dispatch.call(branch, (name,) if name == REFERENCE else (name, REFERENCE),
+                                 q, k, v, *args, on_refusal=refused, **kwargs)
 
     call.__name__ = f"auto_{branch}"
     return call
@@ -143,11 +144,9 @@ def _auto(branch: str):
 
 def register_fast_paths() -> None:
     """Register "triton" (selection), "fa2" (window, compressed) and "auto" (all three)."""
-    from nsa_torch_ref import dispatch
-
     dispatch.register("selected_attention", TRITON, _triton_selected_attention)
-    dispatch.register("compressed_attention", FA2, _fa2_compressed_attention)
-    dispatch.register("sliding_window_attention", FA2, _fa2_sliding_window_attention)
+    dispatch.register("compressed_attention", FA2, fa2.compressed_attention_fa2)
+    dispatch.register("sliding_window_attention", FA2, fa2.sliding_window_attention_fa2)
     for branch in BRANCHES:
         dispatch.register(branch, AUTO, _auto(branch))
 
@@ -164,7 +163,6 @@ def versions() -> dict:
             found["triton"] = triton.__version__
         except Exception as error:  # a broken install still gets a summary
             found["triton"] = f"import failed: {error}"
-    from nsa_torch_ref import fa2
     found.update(fa2.versions())
     capability = runtime.cuda_capability()
     found["device"] = (f"{torch.cuda.get_device_name()} (sm_{capability[0]}{capability[1]})"
@@ -197,7 +195,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nsa_torch_ref.routing",
+    parser = argparse.ArgumentParser(prog="python -m nsa_torch_ref.fast",
                                      description="Print the backend each NSA branch takes.")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--requires-grad", action="store_true")

@@ -26,14 +26,15 @@ module is imported (Triton reads it when `@triton.jit` decorates the kernels).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from nsa_torch_ref.reference import _poison, _split_finite
+from nsa_torch_ref.dispatch import Unsupported
+from nsa_torch_ref.reference import (_check_qkv, _poison, _resolve_scale, _split_finite,
+                                     check_cu_seqlens)
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -316,29 +317,16 @@ def _interpreted() -> bool:
     return type(_sel_fwd_kernel).__name__ == "InterpretedFunction"
 
 
-def _check_launchable(q: torch.Tensor) -> None:
-    if q.device.type == "cuda":
-        return
-    if not _interpreted():
-        raise ValueError(
-            f"selected_attention_triton got tensors on {q.device}: the Triton kernels need CUDA "
-            "tensors, or TRITON_INTERPRET=1 set before nsa_torch_ref.triton_selection is imported")
-
-
 def _validate(q, k, v, block_idx, block_size, cu_seqlens):
-    for name, tensor in (("q", q), ("k", k), ("v", v), ("block_idx", block_idx)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-            got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be a rank-4 tensor, got {got}")
+    """ValueError on a bad argument; `Unsupported` (also a ValueError) on an input the kernels
+    cannot take, so that `dispatch` moves on to the next backend."""
+    _check_qkv(q, k, v)
+    if not isinstance(block_idx, torch.Tensor) or block_idx.dim() != 4:
+        got = tuple(block_idx.shape) if isinstance(block_idx, torch.Tensor) else \
+            type(block_idx).__name__
+        raise ValueError(f"block_idx must be a rank-4 tensor, got {got}")
     B, T, H, d_k = q.shape
     G = k.shape[2]
-    if tuple(k.shape[:2]) != (B, T) or tuple(v.shape[:3]) != (B, T, G):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, T, G, d] with "
-                         f"B, T of q {tuple(q.shape)}")
-    if k.shape[3] != d_k:
-        raise ValueError(f"k head dim ({k.shape[3]}) must equal q's ({d_k})")
-    if H % G:
-        raise ValueError(f"q heads ({H}) must be a multiple of k heads ({G})")
     if tuple(block_idx.shape[:3]) != (B, T, G) or block_idx.shape[3] < 1:
         raise ValueError(f"block_idx must be [B, T, G, n_sel] = [{B}, {T}, {G}, n_sel >= 1], got "
                          f"{tuple(block_idx.shape)}")
@@ -347,7 +335,7 @@ def _validate(q, k, v, block_idx, block_size, cu_seqlens):
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size ({block_size!r}) must be a positive int")
     if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q dtype ({q.dtype}) must be one of {_SUPPORTED_DTYPES}")
+        raise Unsupported(f"q dtype ({q.dtype}) must be one of {_SUPPORTED_DTYPES}")
     for name, tensor in (("k", k), ("v", v)):
         if not tensor.is_floating_point():
             raise ValueError(f"{name} must be a float tensor, got {tensor.dtype}")
@@ -355,15 +343,14 @@ def _validate(q, k, v, block_idx, block_size, cu_seqlens):
     if len(devices) != 1:
         raise ValueError(f"q, k, v, block_idx must be on one device, got {sorted(map(str, devices))}")
     if T >= 2 ** 31:
-        raise ValueError(f"sequence length T ({T}) must be < 2**31 (token positions are int32)")
+        raise Unsupported(f"sequence length T ({T}) must be < 2**31 (token positions are int32)")
     if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs B = 1 (packed sequences), got B = {B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens must be a 1-D [N + 1] tensor, got {tuple(cu_seqlens.shape)}")
-        bounds = cu_seqlens.tolist()
-        if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to T ({T}), got {bounds}")
+        check_cu_seqlens(cu_seqlens, B, T)
+    if q.device.type != "cuda" and not _interpreted():
+        raise Unsupported(
+            f"selected_attention_triton got tensors on {q.device}: the Triton kernels need CUDA "
+            "tensors, or TRITON_INTERPRET=1 set before nsa_torch_ref.fast.triton_selection is "
+            "imported")
 
 
 def _segments(T: int, block_size: int, cu_seqlens: Optional[torch.Tensor], device):
@@ -552,8 +539,7 @@ def selected_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     afterwards, with no gradient: a loss over the other rows gets the clean gradients.
     """
     _validate(q, k, v, block_idx, block_size, cu_seqlens)
-    _check_launchable(q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _resolve_scale(scale, q.shape[-1])
     # One dtype for the kernel (autocast can hand over k, v in another); autograd casts the
     # gradients back.
     q, k, v = q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
@@ -573,8 +559,7 @@ def selected_attention_triton_with_lse(q, k, v, block_idx, block_size, scale=Non
                                        cu_seqlens=None):
     """Forward only: (o [B, T, H, d_v], lse [B, T, H] float32). For tests and decode."""
     _validate(q, k, v, block_idx, block_size, cu_seqlens)
-    _check_launchable(q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = _resolve_scale(scale, q.shape[-1])
     segments = _segments(q.shape[1], block_size, cu_seqlens, q.device)
     return _forward(q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(),
                     block_idx.to(torch.int32).contiguous(), block_size, scale, segments[0])

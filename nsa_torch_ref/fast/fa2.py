@@ -1,13 +1,15 @@
 """FlashAttention-2 paths for the sliding-window (spec step 8) and compressed (spec step 5) branches.
 
-Kernels, in order of preference (the first that can take the call runs it):
+Kernels, in order of preference:
 1. the `flash_attn` package (`flash_attn_func` / `flash_attn_varlen_func`), when importable;
 2. torch's own FlashAttention-2: `torch.nn.attention.varlen.varlen_attn` (packed sequences, and
    the sliding window when its signature has `window_size`), SDPA restricted to the flash backend
    (dense causal attention);
-3. the reference (`nsa_torch_ref.reference`, backend "sdpa"). It also takes every call the
-   kernels cannot: CPU tensors, float32/float64, head dims over 256, `return_lse=True`.
-A fallback is logged (NSA_DEBUG_LOG); it is never silently wrong, only slower.
+3. the reference (`nsa_torch_ref.reference`, backend "sdpa"), per packed sequence. A kernel path
+   that cannot take a call raises `NotImplementedError` saying why (CPU tensors, float32/float64,
+   head dims over 256, a window this torch cannot express) and the reference runs instead, so
+   the entry points, backend "fa2" of `dispatch`, serve every input, packed ones included. The
+   fallback is logged (NSA_DEBUG_LOG); it is never silently wrong, only slower.
 
 Sliding window: query t sees keys t-w+1..t, which is FlashAttention's `causal=True,
 window_size=(w - 1, 0)`.
@@ -30,14 +32,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from nsa_common import NSAConfig, num_cmp_blocks
-from nsa_torch_ref import reference, runtime
+from nsa_torch_ref import reference
+from nsa_torch_ref.fast import runtime
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -101,43 +103,22 @@ def kernel_choice(q: torch.Tensor, head_dim: int) -> tuple[str, str]:
     return "torch", "torch FlashAttention-2 (varlen_attn / SDPA flash backend)"
 
 
+def _kernel(q: torch.Tensor, head_dim: int) -> str:
+    """"flash_attn" or "torch"; NotImplementedError saying why when neither can take q."""
+    kernel, reason = kernel_choice(q, head_dim)
+    if kernel == "reference":
+        raise NotImplementedError(reason)
+    return kernel
+
+
 # ---------------------------------------------------------------------------------------------
-# Validation and layout helpers
+# Layout helpers
 # ---------------------------------------------------------------------------------------------
-def _check_rank4(name: str, tensor) -> None:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
-        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"{name} must be a [B, T, heads, dim] tensor, got {got}")
-
-
-def _check_gqa(q, k, v, k_name: str, v_name: str) -> None:
-    for name, tensor in (("q", q), (k_name, k), (v_name, v)):
-        _check_rank4(name, tensor)
-    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
-        raise ValueError(f"batch sizes differ: q {q.shape[0]}, {k_name} {k.shape[0]}, "
-                         f"{v_name} {v.shape[0]}")
-    if k.shape[3] != q.shape[3]:
-        raise ValueError(f"{k_name} head dim ({k.shape[3]}) must equal q's ({q.shape[3]})")
-    if k.shape[1:3] != v.shape[1:3]:
-        raise ValueError(f"{k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)} must agree "
-                         "on length and heads")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of {k_name} heads "
-                         f"({k.shape[2]})")
-
-
 def _segments(cu_seqlens: Optional[torch.Tensor], B: int, T: int) -> list[tuple[int, int]]:
     """[(start, length)] of the packed sequences (one (0, T) without cu_seqlens)."""
     if cu_seqlens is None:
         return [(0, T)]
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
-            or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-        raise ValueError("cu_seqlens must be a 1-D integer [N + 1] tensor")
-    if B != 1:
-        raise ValueError(f"cu_seqlens needs batch size 1 (packed sequences), got B = {B}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != T or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must rise from 0 to T ({T}), got {bounds}")
+    bounds = reference.check_cu_seqlens(cu_seqlens, B, T)
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -175,10 +156,11 @@ def _flash_attn_varlen(q, k, v, cu, max_len, scale, window):
 
 
 def _torch_varlen_call(q, k, v, cu, max_len, scale, window):
-    """torch's varlen_attn on packed [1, S, H, D] tensors; None if this torch cannot do it."""
+    """torch's varlen_attn on packed [1, S, H, D] tensors; NotImplementedError if this torch
+    cannot do it."""
     found = _torch_varlen()
     if found is None:
-        return None
+        raise NotImplementedError("this torch has no torch.nn.attention.varlen.varlen_attn")
     varlen_attn, params = found
     kwargs = {"scale": scale}
     if "window_size" in params:
@@ -186,7 +168,7 @@ def _torch_varlen_call(q, k, v, cu, max_len, scale, window):
     elif window is None and "is_causal" in params:
         kwargs["is_causal"] = True
     else:
-        return None  # a window this torch cannot express
+        raise NotImplementedError(f"this torch's varlen_attn has no window_size (window {window})")
     if q.shape[2] != k.shape[2]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -198,7 +180,8 @@ def _torch_varlen_call(q, k, v, cu, max_len, scale, window):
 
 
 def _torch_sdpa_flash(q, k, v, scale):
-    """Dense causal attention through SDPA's flash backend; None if it refuses the call."""
+    """Dense causal attention through SDPA's flash backend; NotImplementedError if it refuses
+    the call."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     try:
@@ -207,18 +190,17 @@ def _torch_sdpa_flash(q, k, v, scale):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                 scale=scale, enable_gqa=q.shape[2] != k.shape[2])
     except RuntimeError as error:  # "No available kernel": shape/arch the flash backend rejects
-        runtime.debug_log("fa2", f"SDPA flash backend refused the call: {error}")
-        return None
+        raise NotImplementedError(f"SDPA flash backend refused the call: {error}") from None
     return out.transpose(1, 2)
 
 
 def _attend(kernel: str, q, k, v, segments: list[tuple[int, int]], scale: float,
-            window: Optional[int], variant: str) -> Optional[torch.Tensor]:
+            window: Optional[int], variant: str) -> torch.Tensor:
     """Causal (optionally windowed) attention of each segment over itself.
 
     q [B, S, Hq, D], k, v [B, S, Hk, D]; segments [(start, length)] of dim 1 (B = 1 when there is
     more than one). variant: "dense" (one dense call per segment), "varlen" (one packed call).
-    Returns [B, S, Hq, D], or None when this kernel cannot take the call.
+    Returns [B, S, Hq, D]; NotImplementedError when this kernel cannot take the call.
     """
     B = q.shape[0]
     if variant == "varlen":
@@ -234,7 +216,7 @@ def _attend(kernel: str, q, k, v, segments: list[tuple[int, int]], scale: float,
             out = _flash_attn_varlen(q, k, v, cu, max_len, scale, window)
         else:
             out = _torch_varlen_call(q, k, v, cu, max_len, scale, window)
-        return None if out is None else out.reshape(B, -1, *out.shape[2:])
+        return out.reshape(B, -1, *out.shape[2:])
 
     parts = []
     for start, length in segments:
@@ -248,11 +230,18 @@ def _attend(kernel: str, q, k, v, segments: list[tuple[int, int]], scale: float,
         else:  # SDPA has no window: torch's varlen kernel, the batch rows as sequences
             packed = (x.reshape(1, B * length, *x.shape[2:]) for x in (qs, ks, vs))
             out = _torch_varlen_call(*packed, _cu([length] * B, q.device), length, scale, window)
-            out = None if out is None else out.reshape(B, length, *out.shape[2:])
-        if out is None:
-            return None
+            out = out.reshape(B, length, *out.shape[2:])
         parts.append(out)
     return torch.cat(parts, dim=1)
+
+
+def _or_reference(what: str, kernels, fallback, config: runtime.RuntimeConfig) -> torch.Tensor:
+    """kernels(), or fallback() (the reference) when they raise NotImplementedError (logged)."""
+    try:
+        return kernels()
+    except NotImplementedError as why:
+        runtime.debug_log("fa2", f"{what} -> reference: {why}", config)
+        return fallback()
 
 
 def _variant(n_segments: int, config: runtime.RuntimeConfig) -> str:
@@ -311,13 +300,11 @@ def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dtype; the kernels see k and v cast to q's dtype. Falls back to the reference where no
     kernel applies (module docstring).
     """
-    _check_gqa(q, k, v, "k", "v")
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"k length ({k.shape[1]}) must equal q length ({q.shape[1]})")
+    reference._check_qkv(q, k, v)
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window ({window!r}) must be a positive int")
     B, T, H, d_k = q.shape
-    scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    scale = reference._resolve_scale(scale, d_k)
     segments = _segments(cu_seqlens, B, T)
     t = torch.arange(T, device=q.device)
     lo = torch.maximum(_token_starts(segments, q.device), t - window + 1)
@@ -325,26 +312,26 @@ def sliding_window_attention_fa2(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     def rows_seeing(prefix):  # keys [max(start, t - w + 1), t]
         return (prefix[:, t + 1] - prefix[:, lo]) > 0
 
-    return _guarded(lambda q, k, v: _window_fa2(q, k, v, window, scale, segments), q, k, v,
-                    rows_seeing)
+    def run(q, k, v):
+        config = runtime.load(q.device)
+        return _or_reference(
+            "sliding window", lambda: _window_kernels(q, k, v, window, scale, segments, config),
+            lambda: _window_reference(q, k, v, window, scale, segments), config)
+
+    return _guarded(run, q, k, v, rows_seeing)
 
 
-def _window_fa2(q, k, v, window: int, scale: float, segments):
+def _window_kernels(q, k, v, window: int, scale: float, segments, config):
+    """The window on an FA-2 kernel; NotImplementedError saying why when none takes the call."""
     B, T, H, d_k = q.shape
     d_v = v.shape[3]
-    config = runtime.load(q.device)
     head_dim = _common_head_dim(d_k, d_v)
-    kernel, reason = kernel_choice(q, head_dim)
-    out = None
-    if kernel != "reference" and T > 0:
-        # One dtype for the kernel: under autocast k/v may come out float32 beside a bf16 q.
-        qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q, k, v))
-        out = _attend(kernel, qp, kp, vp, segments, scale, window, _variant(len(segments), config))
-        if out is None:
-            reason = f"{kernel} kernel cannot take this call (window {window})"
-    if out is None:
-        runtime.debug_log("fa2", f"sliding window -> reference: {reason}", config)
-        return _window_reference(q, k, v, window, scale, segments)
+    kernel = _kernel(q, head_dim)
+    if T == 0:
+        raise NotImplementedError("no token (T = 0)")
+    # One dtype for the kernel: under autocast k/v may come out float32 beside a bf16 q.
+    qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q, k, v))
+    out = _attend(kernel, qp, kp, vp, segments, scale, window, _variant(len(segments), config))
     return out[..., :d_v].to(q.dtype)
 
 
@@ -400,10 +387,9 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
     """
     if not isinstance(cfg, NSAConfig):
         raise ValueError(f"cfg must be an NSAConfig, got {type(cfg).__name__}")
-    _check_gqa(q, k_cmp, v_cmp, "k_cmp", "v_cmp")
+    reference._check_qkv(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp", same_len=False)
     B, T, H, d_k = q.shape
-    d_v = v_cmp.shape[3]
-    scale = 1.0 / math.sqrt(d_k) if scale is None else float(scale)
+    scale = reference._resolve_scale(scale, d_k)
     segments = _segments(cu_seqlens, B, T)
     index, valid, counts = fold_index(cfg, segments, q.device)
     if k_cmp.shape[1] != sum(counts):
@@ -428,50 +414,41 @@ def compressed_attention_fa2(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.
     def rows_seeing(prefix):
         return (prefix[:, hi] - prefix[:, lo]) > 0
 
-    return _guarded(lambda q, k_cmp, v_cmp: _compressed_fa2(q, k_cmp, v_cmp, cfg, scale,
-                                                            segments, index, valid, counts),
-                    q, k_cmp, v_cmp, rows_seeing)
+    def run(q, k_cmp, v_cmp):
+        config = runtime.load(q.device)
+        return _or_reference(
+            "compressed",
+            lambda: _compressed_kernels(q, k_cmp, v_cmp, cfg, scale, segments, index, valid,
+                                        counts, config),
+            lambda: _compressed_reference(q, k_cmp, v_cmp, cfg, scale, segments, counts), config)
+
+    return _guarded(run, q, k_cmp, v_cmp, rows_seeing)
 
 
-def _compressed_fa2(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float, segments, index, valid,
-                    counts):
+def _compressed_kernels(q, k_cmp, v_cmp, cfg: NSAConfig, scale: float, segments, index, valid,
+                        counts, config):
+    """The folded compressed branch on an FA-2 kernel; NotImplementedError saying why when none
+    takes the call."""
     B, T, H, d_k = q.shape
     d_v = v_cmp.shape[3]
-    config = runtime.load(q.device)
     head_dim = _common_head_dim(d_k, d_v)
-    kernel, reason = kernel_choice(q, head_dim)
-    if sum(counts) == 0:
-        kernel, reason = "reference", "no compressed block yet (every row is 0)"
-    out = None
-    if kernel != "reference":
-        d = cfg.cmp_stride
-        n_rows = sum(counts)
-        # [B, sumC*d, H, dk] -> [B, sumC, H*d, dk]: head*d + r is the folded head.
-        q_fold = q[:, index.clamp(max=T - 1)].reshape(B, n_rows, d, H, d_k)
-        q_fold = q_fold.permute(0, 1, 3, 2, 4).reshape(B, n_rows, H * d, d_k)
-        # One dtype for the kernel: under autocast the compressor's bias add makes k_cmp and
-        # v_cmp float32 beside a bf16 q.
-        qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q_fold, k_cmp, v_cmp))
-        fold_segments, offset = [], 0
-        for count in counts:
-            fold_segments.append((offset, count))
-            offset += count
-        o_fold = _attend(kernel, qp, kp, vp, fold_segments, scale, None,
-                         _variant(len(segments), config))
-        if o_fold is None:
-            reason = f"{kernel} kernel cannot take this call"
-        else:
-            o_rows = o_fold[..., :d_v].reshape(B, n_rows, H, d, d_v).permute(0, 1, 3, 2, 4)
-            o_rows = o_rows.reshape(B, n_rows * d, H, d_v)[:, valid]
-            out = q.new_zeros(B, T, H, d_v).index_copy(1, index[valid], o_rows.to(q.dtype))
-    if out is None:
-        runtime.debug_log("fa2", f"compressed -> reference: {reason}", config)
-        return _compressed_reference(q, k_cmp, v_cmp, cfg, scale, segments, counts)
-    return out
-
-
-# The functions `dispatch` registers, by branch (backend name "fa2").
-BACKENDS: dict[str, Callable] = {
-    "compressed_attention": compressed_attention_fa2,
-    "sliding_window_attention": sliding_window_attention_fa2,
-}
+    kernel = _kernel(q, head_dim)
+    n_rows = sum(counts)
+    if n_rows == 0:
+        raise NotImplementedError("no compressed block yet (every row is 0)")
+    d = cfg.cmp_stride
+    # [B, sumC*d, H, dk] -> [B, sumC, H*d, dk]: head*d + r is the folded head.
+    q_fold = q[:, index.clamp(max=T - 1)].reshape(B, n_rows, d, H, d_k)
+    q_fold = q_fold.permute(0, 1, 3, 2, 4).reshape(B, n_rows, H * d, d_k)
+    # One dtype for the kernel: under autocast the compressor's bias add makes k_cmp and
+    # v_cmp float32 beside a bf16 q.
+    qp, kp, vp = (_pad_dim(x.to(q.dtype), head_dim) for x in (q_fold, k_cmp, v_cmp))
+    fold_segments, offset = [], 0
+    for count in counts:
+        fold_segments.append((offset, count))
+        offset += count
+    o_fold = _attend(kernel, qp, kp, vp, fold_segments, scale, None,
+                     _variant(len(segments), config))
+    o_rows = o_fold[..., :d_v].reshape(B, n_rows, H, d, d_v).permute(0, 1, 3, 2, 4)
+    o_rows = o_rows.reshape(B, n_rows * d, H, d_v)[:, valid]
+    return q.new_zeros(B, T, H, d_v).index_copy(1, index[valid], o_rows.to(q.dtype))
