@@ -119,8 +119,8 @@ def test_prefill_rejects_bad_arguments():
 def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     csv_path = tmp_path / "decode" / "decode.csv"
     S = 40
-    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--dim", "32",
-                                         "--heads", "4", "--groups", "2", "--iters", "2",
+    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--d_model", "32",
+                                         "--H", "4", "--G", "2", "--iters", "2",
                                          "--warmup", "1", "--repeats", "1", "--rotate", "2",
                                          "--full_impls", "xla,fa3", "--branch_force_mode", "sel",
                                          "--csv", str(csv_path),
