@@ -155,15 +155,20 @@ def nsa_config(args):
     return nsa_preset(args.preset).replace(**changes)
 
 
-def add_run_args(parser, *, iters: int, warmup: int, repeats: int, rotate: Optional[int] = None,
+def add_run_args(parser, *, iters: Optional[int] = None, warmup: Optional[int] = None,
+                 repeats: Optional[int] = None, rotate: Optional[int] = None,
                  dtypes: Sequence[str] = tuple(sorted(DTYPES))) -> None:
-    """--device, --dtype and the timing counts (`time_jax` / `time_torch`)."""
+    """--device, --dtype and, with their defaults given, the timing counts (`time_jax`,
+    `time_torch`): --iters, --warmup, --repeats, --rotate."""
     parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--dtype", default="bfloat16", choices=dtypes)
-    parser.add_argument("--iters", type=int, default=iters, help="timed calls per repeat")
-    parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls first")
-    parser.add_argument("--repeats", type=int, default=repeats,
-                        help="repeats; the median is reported")
+    if iters is not None:
+        parser.add_argument("--iters", type=int, default=iters, help="timed calls per repeat")
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls first")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help="repeats; the median is reported")
     if rotate is not None:
         parser.add_argument("--rotate", type=int, default=rotate,
                             help="distinct input buffers cycled")
