@@ -410,9 +410,7 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--B", default="1,8,32", help="batch sizes, comma list (up to 64)")
     p.add_argument("--S_list", default="16k,64k,128k", help="context lengths ('k' = 1024)")
     common.add_run_args(p, iters=50, warmup=5, repeats=5, rotate=3)
@@ -459,10 +457,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    common.setup_device(args.device)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv)
     stem = os.path.splitext(args.csv)[0]
     env = common.write_environment(stem + "_env.json",
                                    {"argv": argv, "device_label": args.device_label})

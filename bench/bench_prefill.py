@@ -689,9 +689,7 @@ def plot(records: list[dict], path: str, title: str) -> None:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--S_list", default="8k,16k,32k,64k",
                    help="context lengths, comma list; 'k' = 1024 (add 128k when memory allows)")
     p.add_argument("--B", type=int, default=1, help="batch size")
@@ -730,10 +728,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    common.setup_device(args.device)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv)
 
     if args.worker:  # one isolated row: write its records and leave
         records = run_row(args, args.worker,

@@ -146,9 +146,7 @@ def add_efficiency(rows: list[dict[str, Any]], first_mesh: tuple[int, int, int])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 2)[2])
+    p = common.script_parser(__doc__)
     common.add_run_args(p, iters=5, warmup=2, repeats=3, rotate=2,
                         dtypes=("bfloat16", "float32"))
     common.add_nsa_args(p, preset="paper")
@@ -180,10 +178,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    common.setup_device(args.device)
+    _, args = common.start(parse_args, argv)
     cfg = args.cfg
-    device, commit = common.device_name(args.device), common.git_commit()
+    device, commit = args.device_label, common.git_commit()
     done: dict[tuple, tuple[str, str, list]] = {}
     rows = []
     for point in points(args):

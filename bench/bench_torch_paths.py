@@ -76,8 +76,6 @@ REFERENCE_PATH = "sdpa"
 FAST_PATHS = {"sel": "triton", "win": "fa2", "cmp": "fa2"}
 THRESHOLD_KEYS = {"sel": "sel_triton_min_l", "win": "fa2_min_len_win", "cmp": "fa2_min_len_cmp"}
 PASSES = ("fwd", "fwd_bwd")
-# Largest relative L2 error of the fast path against the float32 reference (output, gradients).
-TOLERANCES = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
 # fa2's kernel calls, by module attribute, and the label each gets in the `kernel` column.
 FA2_KERNEL_CALLS = {"_flash_attn_dense": "flash_attn", "_flash_attn_varlen": "flash_attn varlen",
                     "_torch_sdpa_flash": "torch sdpa[flash]",
@@ -654,9 +652,7 @@ def plot(records: list[dict], path: str, title: str, branches) -> None:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--T_list", default="128,256,512,1k,2k,4k,8k,16k",
                    help="sequence lengths, comma list; 'k' = 1024")
     p.add_argument("--branches", default=",".join(BRANCHES),
@@ -693,7 +689,7 @@ def parse_args(argv=None):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
     if args.tolerance is None:
-        args.tolerance = TOLERANCES[args.dtype]
+        args.tolerance = common.REL_L2_TOLERANCE[args.dtype]
     elif not args.tolerance > 0:
         raise ValueError(f"--tolerance ({args.tolerance}) must be positive")
     return args
@@ -708,9 +704,7 @@ def _fa2_versions() -> dict:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv, uses_jax=False)
     # Before anything imports triton (torch's checkpointing in the reference may).
     args.interpreter_problem = enable_triton_interpreter() if args.device == "cpu" else None
     cfg = args.cfg

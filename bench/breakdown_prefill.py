@@ -230,7 +230,7 @@ def _line(r) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_prefill.build_parser()
-    parser.description = __doc__.split("\n")[0]
+    parser.description, parser.epilog = __doc__.split("\n", 1)
     parser.set_defaults(S_list="64k", out="artifacts/breakdown", iters=10, repeats=3, rotate=2)
     parser.add_argument("--variants", default="base", help="see the module docstring")
     parser.add_argument("--stages", default=",".join(STAGES),

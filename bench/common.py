@@ -48,6 +48,25 @@ class Skip(Exception):
 # ---------------------------------------------------------------------------------------------
 # Device and argument helpers
 # ---------------------------------------------------------------------------------------------
+def script_parser(doc: str):
+    """A script's ArgumentParser: its docstring's first line, then the rest as the epilog."""
+    import argparse
+
+    return argparse.ArgumentParser(description=doc.split("\n")[0], epilog=doc.split("\n", 1)[1],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def start(parse_args: Callable, argv: Optional[Sequence[str]] = None, *, uses_jax: bool = True):
+    """(argv, args): `argv` (the command line's by default) parsed by `parse_args`, JAX pinned to
+    `--device` before it loads (`uses_jax`), and `args.device_label` for the CSV."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if uses_jax:
+        setup_device(args.device)
+    args.device_label = device_name(args.device)
+    return argv, args
+
+
 def setup_device(device: str) -> None:
     """Pin JAX to the requested platform before it is imported. `device` is "gpu" or "cpu"."""
     if device not in ("gpu", "cpu"):
@@ -60,6 +79,10 @@ def setup_device(device: str) -> None:
 
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "float32": "float32", "fp32": "float32"}
+
+
+# Largest relative L2 error of a kernel's output or gradients against a float32 reference.
+REL_L2_TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
 
 
 def jnp_dtype(name: str):
@@ -478,6 +501,8 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
+        if 0 < abs(value) < 1e-3:  # errors and tolerances
+            return f"{value:.2e}"
         if value >= 100:
             return f"{value:.1f}"
         if value >= 1:

@@ -64,9 +64,7 @@ def analyse(cfg, T: int, backend, dtype) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--S_list", default="64k", help="sequence lengths, comma list; 'k' = 1024")
     p.add_argument("--backends", default="pallas,xla",
                    help="comma list; a backend other than xla falls back to xla")
@@ -76,16 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv=None):
     args = common.finish_args(build_parser().parse_args(argv))
-    lengths = common.parse_int_list(args.S_list, "--S_list")
-    common.setup_device(args.device)
+    args.S = common.parse_int_list(args.S_list, "--S_list")
+    return args
+
+
+def main(argv=None) -> int:
+    argv, args = common.start(parse_args, argv)
     dtype = common.jnp_dtype(args.dtype)
     os.makedirs(args.out, exist_ok=True)
     common.write_environment(os.path.join(args.out, "memory_layer_env.json"), {"argv": argv})
     rows = []
-    for T in lengths:
+    for T in args.S:
         for name in args.backends.split(","):
             backend = (name, "xla") if name != "xla" else "xla"
             try:
