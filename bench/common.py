@@ -1,4 +1,10 @@
-"""Shared helpers of the benchmark scripts: device setup, timing, memory, CSV, plots, environment.
+"""The one harness of the benchmark scripts: device setup, the shared flags, timing, memory, CSV,
+plots, the environment record.
+
+Every script takes the NSA settings from `add_nsa_args` (a preset, then one override flag per
+NSAConfig field: --d_model --H --G --dk --dv --l --d --l_sel --n_sel --n_init --n_local --w
+--compress) and the run settings from `add_run_args` (--device --dtype --iters --warmup
+--repeats --rotate); `finish_args` checks them and puts the NSAConfig on `args.cfg`.
 
 Importing this module sets `XLA_PYTHON_CLIENT_PREALLOCATE=false` (unless the caller set it): JAX
 would otherwise reserve 75% of the GPU at start-up, and the torch rows that follow in the same
