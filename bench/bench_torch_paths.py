@@ -185,17 +185,19 @@ def fa2_kernels_run() -> Iterator[list[str]]:
     """Within the block, the labels of fa2's kernel calls that returned a result, in call order.
 
     The calls are looked up as module globals at call time, so wrapping the attributes for the
-    block sees every one; they are restored on exit.
+    block sees every one; they are restored on exit. These are fa2's private functions (it says
+    nothing public about the kernel that served a call): a renamed one is an error here, never a
+    probe that silently sees nothing.
     """
     from nsa_torch_ref import fa2
 
+    missing = [name for name in FA2_KERNEL_CALLS if not hasattr(fa2, name)]
+    if missing:
+        raise RuntimeError(f"nsa_torch_ref.fa2 has no {missing}: update FA2_KERNEL_CALLS")
     ran: list[str] = []
     originals = {}
     for name, label in FA2_KERNEL_CALLS.items():
-        original = getattr(fa2, name, None)
-        if original is None:
-            continue
-        originals[name] = original
+        original = originals[name] = getattr(fa2, name)
 
         def spy(*call_args, _original=original, _label=label, **call_kwargs):
             out = _original(*call_args, **call_kwargs)
