@@ -40,8 +40,8 @@ commit; speedup = the first full-attention baseline that ran, FA-3 first, over t
 
 Example (GPU): python bench/bench_decode.py --csv artifacts/bench/decode.csv
                (defaults: B 1,8,32, S 16k,64k,128k, paper sizes, bf16, pallas)
-CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --dim 32 --heads 4 \
-                   --groups 2 --dk 16 --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --dtype float32
+CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --d_model 32 --H 4 \
+                   --G 2 --dk 16 --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --dtype float32
 """
 from __future__ import annotations
 
@@ -67,29 +67,15 @@ COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv"
 BRANCHES = ("cmp", "sel", "win")
 FULL_IMPLS = ("fa3", "cudnn", "xla")
 FORCED_GATE_LOGIT = 30.0  # sigmoid(30) = 1 - 1e-13, sigmoid(-30) = 1e-13
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32"}
-
-
-def nsa_config(args):
-    from nsa_common import NSAConfig
-
-    return NSAConfig(d_model=args.dim, n_heads=args.heads, n_kv_heads=args.groups, d_k=args.dk,
-                     d_v=args.dv, cmp_block=args.l, cmp_stride=args.d, sel_block=args.l_sel,
-                     n_sel=args.n_sel, window=args.w, compress=args.compress)
-
-
-def _jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
 
 
 def _base(args, row: str, B: int, S: int, **extra) -> dict[str, Any]:
-    record = {"bench": "decode", "row": row, "B": B, "S": S, "dim": args.dim, "H": args.heads,
-              "G": args.groups, "dk": args.dk, "dv": args.dv, "l": args.l, "d": args.d,
-              "l_sel": args.l_sel, "n_sel": args.n_sel, "w": args.w, "dtype": args.dtype,
-              "force": args.branch_force_mode, "device": args.device_label}
+    cfg = args.cfg
+    record = {"bench": "decode", "row": row, "B": B, "S": S, "dim": cfg.d_model,
+              "H": cfg.n_heads, "G": cfg.n_kv_heads, "dk": cfg.d_k, "dv": cfg.d_v,
+              "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
+              "w": cfg.window, "dtype": args.dtype, "force": args.branch_force_mode,
+              "device": args.device_label}
     record.update(extra)
     return record
 
@@ -129,8 +115,6 @@ def random_cache(cache, S: int, key):
 
 def init_params(cfg, dtype):
     """nsa_jax.init_params as one jitted program (eagerly it compiles once per weight shape)."""
-    import functools
-
     import jax
     import nsa_jax
 
@@ -184,8 +168,8 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         raise Skip(f"nsa_jax not importable ({exc})") from None
     import jax
 
-    cfg = nsa_config(args)
-    dtype = _jnp_dtype(args.dtype)
+    cfg = args.cfg
+    dtype = common.jnp_dtype(args.dtype)
     steps = max(1, args.warmup) + args.iters * args.repeats
     max_len = S + steps + 1
     params = init_params(cfg, dtype)
@@ -215,8 +199,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         del cache
         # Every sequence sits at position S: the counts are the same for each (take the max).
         reads = {k: int(v.max()) for k, v in first_reads.items()}
-        full.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
-                    share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
+        full.update(status=OK, **timing.fields(), share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
                     reads_win=reads.get("win"), reads_actual=reads.get("total"))
         if "bound" in reads and reads["bound"] != formula:
             full["note"] = (f"decode_step bound {reads['bound']} != "
@@ -236,8 +219,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
             step = branch_only_step(mode, args.backend)
             timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args)
             timings[mode] = timing.ms
-            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
-                          share_of_step=timing.ms / full["ms"])
+            record.update(status=OK, **timing.fields(), share_of_step=timing.ms / full["ms"])
             if mode in BRANCHES:
                 record["reads_actual"] = full.get(f"reads_{mode}")
         except Skip as why:
@@ -261,7 +243,7 @@ def _full_attention_fn(impl: str, args, num_splits: int = 1):
             raise Skip("FlashAttention-3 needs a Hopper GPU")
         if args.dtype == "float32":
             raise Skip("FlashAttention-3 takes bf16/fp16 only")
-        if args.dk != args.dv:
+        if args.cfg.d_k != args.cfg.d_v:
             raise Skip("flash_mha_with_kvcache needs d_k == d_v (k_cache and v_cache same shape)")
         try:
             from flash_attn3_jax import flash_mha_with_kvcache
@@ -293,8 +275,9 @@ def run_full_point(args, impl: str, B: int, S: int) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    dtype = _jnp_dtype(args.dtype)
-    H, G, dk, dv, D = args.heads, args.groups, args.dk, args.dv, args.dim
+    dtype = common.jnp_dtype(args.dtype)
+    cfg = args.cfg
+    H, G, dk, dv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.d_model
     steps = max(1, args.warmup) + args.iters * args.repeats
     max_len = S + steps + 1
     keys = jax.random.split(jax.random.PRNGKey(1), 8)
@@ -347,8 +330,8 @@ def run_full_point(args, impl: str, B: int, S: int) -> dict:
     impl_label = {"fa3": f"flash_attn3_jax.flash_mha_with_kvcache num_splits={num_splits}",
                   "cudnn": "jax.nn.dot_product_attention[cudnn]",
                   "xla": "jax.nn.dot_product_attention[xla]"}[impl]
-    record.update(status=OK, impl=impl_label, ms=timing.ms, ms_min=timing.ms_min,
-                  ms_max=timing.ms_max, note="RoPE not applied (elementwise; negligible)")
+    record.update(status=OK, impl=impl_label, **timing.fields(),
+                  note="RoPE not applied (elementwise; negligible)")
     return record
 
 
@@ -427,26 +410,11 @@ def plot(records: list[dict], path: str, title: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--B", default="1,8,32", help="batch sizes, comma list (up to 64)")
-    p.add_argument("--dim", type=int, default=2560, help="d_model")
-    p.add_argument("--heads", type=int, default=64, help="query heads H")
-    p.add_argument("--groups", type=int, default=4, help="KV heads G")
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--l", type=int, default=32, help="compression block")
-    p.add_argument("--d", type=int, default=16, help="compression stride")
-    p.add_argument("--l_sel", type=int, default=64, help="selection block")
-    p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
-    p.add_argument("--w", type=int, default=512, help="sliding window")
-    p.add_argument("--compress", default="mlp", choices=("mlp", "mean"))
     p.add_argument("--S_list", default="16k,64k,128k", help="context lengths ('k' = 1024)")
-    p.add_argument("--iters", type=int, default=50, help="timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rotate", type=int, default=3, help="distinct x_t buffers cycled")
+    common.add_run_args(p, iters=50, warmup=5, repeats=5, rotate=3)
+    common.add_nsa_args(p)
     p.add_argument("--csv", default="artifacts/bench/decode.csv",
                    help="CSV path; the PNG, summary and env JSON go beside it")
     p.add_argument("--latest_csv", default="auto",
@@ -462,25 +430,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: fa3,cudnn on gpu, xla on cpu)")
     p.add_argument("--fa3_num_splits", default="1,4,16",
                    help="FA3 split-KV counts tried; the fastest is reported")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--no_progress", action="store_true")
     return p
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    args.dtype = DTYPES[args.dtype]
+    args = common.finish_args(build_parser().parse_args(argv))
     args.B_list = common.parse_int_list(args.B, "--B")
     if max(args.B_list) > 64:
         raise ValueError(f"--B ({args.B}) goes up to 64")
     args.S = common.parse_int_list(args.S_list, "--S_list")
     args.fa3_num_splits = common.parse_int_list(args.fa3_num_splits, "--fa3_num_splits")
-    for name in ("iters", "repeats", "rotate", "dim", "heads", "groups", "dk", "dv"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
     if args.backend is None:
         args.backend = "pallas" if args.device == "gpu" else "xla"
     if args.latest_csv == "auto":
@@ -493,15 +453,11 @@ def parse_args(argv=None):
         unknown = [s for s in args.full_order if s not in FULL_IMPLS]
         if unknown:
             raise ValueError(f"--full_impls has unknown impls {unknown}; known: {list(FULL_IMPLS)}")
-    nsa_config(args)  # ValueError naming the field on a bad hyperparameter
     return args
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    common.setup_device(args.device)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv)
     stem = os.path.splitext(args.csv)[0]
     env = common.write_environment(stem + "_env.json",
                                    {"argv": argv, "device_label": args.device_label})
@@ -536,8 +492,9 @@ def main(argv=None) -> int:
     common.write_csv(args.csv, records, COLUMNS)
     if args.latest_csv:
         write_latest(records, args.latest_csv, args.device_label, env["commit"])
-    title = (f"NSA decode ({args.backend}): H={args.heads} G={args.groups} dk={args.dk} "
-             f"dv={args.dv} {args.dtype} force={args.branch_force_mode} on {args.device_label} "
+    cfg = args.cfg
+    title = (f"NSA decode ({args.backend}): H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
+             f"dv={cfg.d_v} {args.dtype} force={args.branch_force_mode} on {args.device_label} "
              f"(commit {env['commit'][:10]})")
     png = stem + ".png"
     plot(records, png, title)

@@ -66,38 +66,26 @@ DEFAULT_ROWS = {
     "cpu": ("nsa_jax_xla", "nsa_jax_xla_fla", "nsa_torch", "xla_full", "projections"),
 }
 BASELINES = ("fa3_full", "cudnn_full", "torch_sdpa_flash", "torch_sdpa_cudnn", "xla_full")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32"}
+# The NSA columns of the full-attention and projection rows, which have none.
+NO_NSA = dict(compress="", l="", d="", l_sel="", n_sel="", w="")
 
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
-def nsa_config(args, fla_like: bool = False):
-    """The NSAConfig of the run; fla-org's configuration with `fla_like` (mean, l = d = l_sel)."""
-    from nsa_common import NSAConfig
-
-    cfg = NSAConfig(d_model=args.d_model, n_heads=args.H, n_kv_heads=args.G, d_k=args.dk,
-                    d_v=args.dv, cmp_block=args.l, cmp_stride=args.d, sel_block=args.l_sel,
-                    n_sel=args.n_sel, window=args.w, compress=args.compress)
-    if fla_like:
-        cfg = cfg.replace(compress="mean", cmp_block=args.l_sel, cmp_stride=args.l_sel,
-                          shared_kv=True)
-    return cfg
+def fla_config(cfg):
+    """fla-org's configuration of `cfg`: mean compression with l = d = l_sel, shared k/v."""
+    return cfg.replace(compress="mean", cmp_block=cfg.sel_block, cmp_stride=cfg.sel_block,
+                       shared_kv=True)
 
 
 def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:
-    cfg = cfg or nsa_config(args)
-    return {"bench": "prefill", "row": row, "S": S, "B": args.B, "H": args.H, "G": args.G,
-            "dk": args.dk, "dv": args.dv, "dtype": args.dtype, "compress": cfg.compress,
-            "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
-            "w": cfg.window, "device": args.device_label}
-
-
-def _jnp_dtype(name: str):
-    import jax.numpy as jnp
-
-    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+    cfg = cfg or args.cfg
+    return {"bench": "prefill", "row": row, "S": S, "B": args.B, "H": cfg.n_heads,
+            "G": cfg.n_kv_heads, "dk": cfg.d_k, "dv": cfg.d_v, "dtype": args.dtype,
+            "compress": cfg.compress, "l": cfg.cmp_block, "d": cfg.cmp_stride,
+            "l_sel": cfg.sel_block, "n_sel": cfg.n_sel, "w": cfg.window,
+            "device": args.device_label}
 
 
 def _jitted_maker(arrays: Callable) -> Callable[[int], Any]:
@@ -124,22 +112,16 @@ def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
         _, pullback = jax.vjp(fn, *inputs)
         return pullback(cotangent)
 
-    # Per pass: the jitted program and, per input set, its positional arguments.
-    programs = {"fwd": (jax.jit(fn), [inputs for inputs, _ in sets]),
-                "fwd_bwd": (jax.jit(fwd_bwd), [(inputs, cot) for inputs, cot in sets])}
+    # Per pass: the function and, per input set, its positional arguments.
+    programs = {"fwd": (fn, [inputs for inputs, _ in sets]),
+                "fwd_bwd": (fwd_bwd, [(inputs, cot) for inputs, cot in sets])}
     for pass_name in PASSES:
         record = dict(base, **{"pass": pass_name})
-        jitted, call_args = programs[pass_name]
         try:
-            compiled = jitted.lower(*call_args[0]).compile()
+            timing, compiled = common.time_jax_fn(*programs[pass_name], iters=args.iters,
+                                                  warmup=args.warmup, repeats=args.repeats)
             peak = common.jax_compiled_peak_bytes(compiled)
-
-            def step(i, compiled=compiled, call_args=call_args):
-                return compiled(*call_args[i % len(call_args)])
-
-            timing = common.time_jax(step, iters=args.iters, warmup=args.warmup,
-                                     repeats=args.repeats)
-            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max,
+            record.update(status=OK, **timing.fields(),
                           peak_mb=common.mb(peak), peak_source="xla_memory_analysis",
                           device_peak_mb=common.mb(common.jax_device_peak_bytes()))
         except Skip:
@@ -150,7 +132,7 @@ def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
     return records
 
 
-def _nsa_jax_core(cfg, backend: str, options=None):
+def nsa_jax_core(cfg, backend: str, options=None):
     """The attention core as a function of (q, k, v per branch, gate logits, compression params),
     and a label of the path each branch takes: `nsa_jax.native_sparse_attention`, the function
     the layer itself calls between its projections (it hands the compressed branch's lse to
@@ -175,11 +157,12 @@ def _nsa_jax_core(cfg, backend: str, options=None):
     return core, label
 
 
-def _nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
+def nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
+    """seed -> ((q, k/v per branch, gate logits, compression params), cotangent) of the core."""
     import jax
     import jax.numpy as jnp
 
-    dtype = _jnp_dtype(args.dtype)
+    dtype = common.jnp_dtype(args.dtype)
     B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
 
     def arrays(key):
@@ -212,10 +195,10 @@ def _nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
 def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
     if backend == "pallas" and args.device != "gpu":
         raise Skip("Pallas kernels need a GPU (interpret mode is not a timing)")
-    cfg = nsa_config(args, fla_like)
-    core, label = _nsa_jax_core(cfg, backend)
+    cfg = fla_config(args.cfg) if fla_like else args.cfg
+    core, label = nsa_jax_core(cfg, backend)
     base = dict(_base_record(args, row, S, cfg), impl=label)
-    return _jax_time_passes(core, _nsa_jax_inputs(cfg, args, S, shared_kv=fla_like), args, base)
+    return _jax_time_passes(core, nsa_jax_inputs(cfg, args, S, shared_kv=fla_like), args, base)
 
 
 def run_nsa_layer(args, S: int, row: str):
@@ -228,8 +211,8 @@ def run_nsa_layer(args, S: int, row: str):
     import jax.numpy as jnp
     import nsa_jax
 
-    cfg = nsa_config(args)
-    dtype = _jnp_dtype(args.dtype)
+    cfg = args.cfg
+    dtype = common.jnp_dtype(args.dtype)
 
     def arrays(key):
         k_params, k_x, k_cot = jax.random.split(key, 3)
@@ -250,14 +233,15 @@ def _full_jax_inputs(args, S: int):
     import jax
     import jax.numpy as jnp
 
-    dtype = _jnp_dtype(args.dtype)
+    dtype = common.jnp_dtype(args.dtype)
+    B, H, G, dk, dv = args.B, args.cfg.n_heads, args.cfg.n_kv_heads, args.cfg.d_k, args.cfg.d_v
 
     def arrays(key):
         kq, kk, kv, kc = jax.random.split(key, 4)
-        q = jax.random.normal(kq, (args.B, S, args.H, args.dk), jnp.float32).astype(dtype)
-        k = jax.random.normal(kk, (args.B, S, args.G, args.dk), jnp.float32).astype(dtype)
-        v = jax.random.normal(kv, (args.B, S, args.G, args.dv), jnp.float32).astype(dtype)
-        cotangent = jax.random.normal(kc, (args.B, S, args.H, args.dv), jnp.float32).astype(dtype)
+        q = jax.random.normal(kq, (B, S, H, dk), jnp.float32).astype(dtype)
+        k = jax.random.normal(kk, (B, S, G, dk), jnp.float32).astype(dtype)
+        v = jax.random.normal(kv, (B, S, G, dv), jnp.float32).astype(dtype)
+        cotangent = jax.random.normal(kc, (B, S, H, dv), jnp.float32).astype(dtype)
         return (q, k, v), cotangent
 
     return _jitted_maker(arrays)
@@ -269,17 +253,18 @@ def _pad_values(full, args):
     back to d_v, the usual way of running the paper's 192/128 heads on them. Exact, and the
     padding's cost stays in the baseline's time (it does d_k instead of d_v work on P @ V).
     Returns (fn, note)."""
-    if args.dv == args.dk:
+    dk, dv = args.cfg.d_k, args.cfg.d_v
+    if dv == dk:
         return full, ""
-    if args.dv > args.dk:
-        raise Skip(f"d_v ({args.dv}) > d_k ({args.dk}): no padding scheme for this baseline")
+    if dv > dk:
+        raise Skip(f"d_v ({dv}) > d_k ({dk}): no padding scheme for this baseline")
     import jax.numpy as jnp
 
     def padded(q, k, v):
-        v = jnp.pad(v, [(0, 0)] * 3 + [(0, args.dk - args.dv)])
-        return full(q, k, v)[..., :args.dv]
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, dk - dv)])
+        return full(q, k, v)[..., :dv]
 
-    return padded, f"v zero-padded from d_v {args.dv} to d_k {args.dk}"
+    return padded, f"v zero-padded from d_v {dv} to d_k {dk}"
 
 
 def run_dot_product_attention(args, S: int, implementation: str, row: str):
@@ -296,7 +281,7 @@ def run_dot_product_attention(args, S: int, implementation: str, row: str):
 
     full, note = _pad_values(full, args)
     base = dict(_base_record(args, row, S), impl=f"jax.nn.dot_product_attention[{implementation}]",
-                compress="", l="", d="", l_sel="", n_sel="", w="", note=note)
+                **NO_NSA, note=note)
     return _jax_time_passes(full, _full_jax_inputs(args, S), args, base)
 
 
@@ -314,8 +299,8 @@ def run_fa3(args, S: int, row: str):
         return flash_mha(q, k, v, is_causal=True)
 
     full, note = _pad_values(full, args)
-    base = dict(_base_record(args, row, S), impl="flash_attn3_jax.flash_mha", compress="", l="",
-                d="", l_sel="", n_sel="", w="", note=note)
+    base = dict(_base_record(args, row, S), impl="flash_attn3_jax.flash_mha", **NO_NSA,
+                note=note)
     return _jax_time_passes(full, _full_jax_inputs(args, S), args, base)
 
 
@@ -324,8 +309,9 @@ def run_projections(args, S: int, row: str):
     import jax
     import jax.numpy as jnp
 
-    dtype = _jnp_dtype(args.dtype)
-    H, G, dk, dv, D = args.H, args.G, args.dk, args.dv, args.d_model
+    dtype = common.jnp_dtype(args.dtype)
+    cfg = args.cfg
+    H, G, dk, dv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.d_model
     width_in = H * dk + 3 * G * (dk + dv) + 3 * H
 
     def projections(x, w_in, o, w_out):
@@ -342,24 +328,14 @@ def run_projections(args, S: int, row: str):
         return (x, w_in, o, w_out), cotangent
 
     make = _jitted_maker(arrays)
-    base = dict(_base_record(args, row, S), impl=f"jnp matmuls d_model={D}", compress="", l="",
-                d="", l_sel="", n_sel="", w="", note="RoPE and reshapes not included")
+    base = dict(_base_record(args, row, S), impl=f"jnp matmuls d_model={D}", **NO_NSA,
+                note="RoPE and reshapes not included")
     return _jax_time_passes(projections, make, args, base)
 
 
 # ---------------------------------------------------------------------------------------------
 # torch rows
 # ---------------------------------------------------------------------------------------------
-def _torch_setup(args):
-    import torch
-
-    if args.device == "gpu" and not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[args.dtype]
-    return torch, ("cuda" if args.device == "gpu" else "cpu"), dtype
-
-
 def _torch_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
                        base: dict[str, Any], device: str) -> list[dict[str, Any]]:
     """Forward (no autograd) and forward+backward records of `fn(*inputs) -> tensor`."""
@@ -386,7 +362,7 @@ def _torch_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
                 torch.cuda.reset_peak_memory_stats()
             timing = common.time_torch(step, iters=args.iters, warmup=args.warmup,
                                        repeats=args.repeats, device=device)
-            record.update(status=OK, ms=timing.ms, ms_min=timing.ms_min, ms_max=timing.ms_max)
+            record.update(status=OK, **timing.fields())
             if cuda:
                 record.update(peak_mb=common.mb(torch.cuda.max_memory_allocated()),
                               peak_source="torch.cuda.max_memory_allocated")
@@ -405,71 +381,61 @@ def _torch_normal(torch, shape, dtype, device, generator, scale=1.0, grad=True):
     return x.to(dtype).requires_grad_(grad)
 
 
-# Preferred registered backends of nsa_torch_ref per branch, fastest first; "sdpa" is the fallback.
-TORCH_PREFERENCES = {"compressed_attention": ("fa2", "flash", "triton"),
-                     "selected_attention": ("triton",),
-                     "sliding_window_attention": ("fa2", "flash")}
+def _torch_qkv(args, S: int, device, dtype, seed: int, gates: bool = False):
+    """(q, k, v[, gate logits]) and the output's cotangent, as torch tensors of the run's shapes."""
+    import torch
+
+    B, H, G, dk, dv = args.B, args.cfg.n_heads, args.cfg.n_kv_heads, args.cfg.d_k, args.cfg.d_v
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shapes = [(B, S, H, dk), (B, S, G, dk), (B, S, G, dv)] + ([(B, S, H, 3)] if gates else [])
+    inputs = tuple(_torch_normal(torch, shape, dtype, device, gen) for shape in shapes)
+    return inputs, torch.randn((B, S, H, dv), generator=gen, device=device).to(dtype)
+
+
+# The nsa_torch row's kernel per branch on a GPU: the fast paths nsa_torch_ref registers
+# (`nsa_torch_ref.fast.routing`); "sdpa", the reference, elsewhere. `--torch_backends` overrides.
 TORCH_BRANCH_KEYS = {"cmp": "compressed_attention", "sel": "selected_attention",
                      "win": "sliding_window_attention"}
+TORCH_FAST_BACKENDS = {"cmp": "fa2", "sel": "triton", "win": "fa2"}
 
 
-def torch_kernels(args):
-    """{branch: (name, fn)}: `--torch_backends cmp=fa2,sel=triton,win=fa2` or the fastest registered."""
-    try:
-        from nsa_torch_ref import dispatch
-    except ImportError as exc:
-        raise Skip(f"nsa_torch_ref not importable ({exc})") from None
-    import importlib
-
-    # Fast paths register themselves with `dispatch` when imported.
-    for module in ("nsa_torch_ref.fast.triton_selection", "nsa_torch_ref.fast.fa2",
-                   "nsa_torch_ref.fast.routing"):
-        try:
-            importlib.import_module(module)
-        except Exception:
-            pass
-    chosen: dict[str, str] = {}
+def torch_backends(args) -> dict[str, str]:
+    """{branch key (cmp, sel, win): nsa_torch_ref dispatch backend name}."""
+    default = TORCH_FAST_BACKENDS if args.device == "gpu" else {}
+    chosen = {key: default.get(key, "sdpa") for key in TORCH_BRANCH_KEYS}
     if args.torch_backends:
         for item in args.torch_backends.split(","):
             key, _, name = item.partition("=")
             if key.strip() not in TORCH_BRANCH_KEYS or not name.strip():
                 raise ValueError(f"--torch_backends ({args.torch_backends!r}) must look like "
                                  f"cmp=fa2,sel=triton,win=fa2")
-            chosen[TORCH_BRANCH_KEYS[key.strip()]] = name.strip()
-    kernels = {}
-    for branch in dispatch.BRANCHES:
-        if branch not in chosen:
-            names = dispatch.available(branch)
-            fast = [n for n in TORCH_PREFERENCES.get(branch, ()) if n in names]
-            chosen[branch] = fast[0] if fast and args.device == "gpu" else dispatch.DEFAULT_BACKEND
-        kernels[branch] = (chosen[branch], dispatch.resolve(branch, chosen[branch]))
-    return kernels
+            chosen[key.strip()] = name.strip()
+    return chosen
 
 
 def run_nsa_torch(args, S: int, fla_like: bool, row: str):
-    torch, device, dtype = _torch_setup(args)
+    """nsa_torch_ref's branches through its dispatch, composed as `nsa_torch_ref.nsa_forward`
+    composes them between its projections and its gates (nsa_torch_ref has no function of the
+    core alone, as nsa_jax.native_sparse_attention is: this composition stands in for it)."""
+    torch, device, dtype = common.torch_device(args)
     try:
-        from nsa_torch_ref import reference
+        from nsa_torch_ref import compress_kv, dispatch, select_blocks
     except ImportError as exc:
         raise Skip(f"nsa_torch_ref not importable ({exc})") from None
-    cfg = nsa_config(args, fla_like)
-    kernels = torch_kernels(args)
-    cmp_fn = kernels["compressed_attention"][1]
-    sel_fn = kernels["selected_attention"][1]
-    win_fn = kernels["sliding_window_attention"][1]
-    n_cmp_params = 5 if cfg.compress == "mlp" else 0
+    cfg = fla_config(args.cfg) if fla_like else args.cfg
+    backends = torch_backends(args)
+    kernels = dispatch.resolve_all({TORCH_BRANCH_KEYS[k]: name for k, name in backends.items()})
+    mlp = cfg.compress == "mlp"
+    names = ("pos", "w1", "b1", "w2", "b2")
 
     def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, *cmp_tensors):
-        names = ("pos", "w1", "b1", "w2", "b2")
-        cmp_k = dict(zip(names, cmp_tensors[:5])) if n_cmp_params else None
-        cmp_v = dict(zip(names, cmp_tensors[5:])) if n_cmp_params else None
-        k_cmp = reference.compress_kv(k_cmp_in, cmp_k, cfg)
-        v_cmp = reference.compress_kv(v_cmp_in, cmp_v, cfg)
-        o_cmp = cmp_fn(q, k_cmp, v_cmp, cfg)
+        k_cmp = compress_kv(k_cmp_in, dict(zip(names, cmp_tensors[:5])) if mlp else None, cfg)
+        v_cmp = compress_kv(v_cmp_in, dict(zip(names, cmp_tensors[5:])) if mlp else None, cfg)
+        o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
         with torch.no_grad():
-            block_idx = reference.select_blocks(q.detach(), k_cmp.detach(), cfg)
-        o_sel = sel_fn(q, k_sel, v_sel, block_idx, cfg.sel_block)
-        o_win = win_fn(q, k_win, v_win, cfg.window)
+            block_idx = select_blocks(q.detach(), k_cmp.detach(), cfg)
+        o_sel = kernels["selected_attention"](q, k_sel, v_sel, block_idx, cfg.sel_block)
+        o_win = kernels["sliding_window_attention"](q, k_win, v_win, cfg.window)
         gates = torch.sigmoid(gate_logits.float())
         o = gates[..., 0:1] * o_cmp.float() + gates[..., 1:2] * o_sel.float() \
             + gates[..., 2:3] * o_win.float()
@@ -487,7 +453,7 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         else:
             kv = tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
         cmp_tensors = []
-        if n_cmp_params:
+        if mlp:
             for dim in (dk, dv):
                 cmp_tensors += [normal((G, l, dim), 0.02),
                                 normal((G, l * dim, dim), 1 / math.sqrt(l * dim)),
@@ -498,14 +464,12 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         return inputs, cotangent
 
     base = _base_record(args, row, S, cfg)
-    short = {branch: key for key, branch in TORCH_BRANCH_KEYS.items()}
-    base["impl"] = "nsa_torch_ref " + " ".join(f"{short[b]}={name}"
-                                               for b, (name, _) in kernels.items())
+    base["impl"] = "nsa_torch_ref " + " ".join(f"{key}={name}" for key, name in backends.items())
     return _torch_time_passes(core, make, args, base, device)
 
 
 def run_torch_sdpa(args, S: int, backend: str, row: str):
-    torch, device, dtype = _torch_setup(args)
+    torch, device, dtype = common.torch_device(args)
     if device != "cuda":
         raise Skip(f"SDPA {backend} backend needs a GPU")
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -513,7 +477,7 @@ def run_torch_sdpa(args, S: int, backend: str, row: str):
 
     sdp_backend = {"flash": SDPBackend.FLASH_ATTENTION,
                    "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    h = args.H // args.G
+    h = args.cfg.heads_per_group
     expand = {"gqa": True}
 
     def full(q, k, v):
@@ -527,12 +491,7 @@ def run_torch_sdpa(args, S: int, backend: str, row: str):
         return o.transpose(1, 2)
 
     def make(seed: int):
-        gen = torch.Generator(device=device).manual_seed(seed)
-        q = _torch_normal(torch, (args.B, S, args.H, args.dk), dtype, device, gen)
-        k = _torch_normal(torch, (args.B, S, args.G, args.dk), dtype, device, gen)
-        v = _torch_normal(torch, (args.B, S, args.G, args.dv), dtype, device, gen)
-        return (q, k, v), torch.randn((args.B, S, args.H, args.dv), generator=gen,
-                                      device=device).to(dtype)
+        return _torch_qkv(args, S, device, dtype, seed)
 
     note = ""
     try:  # some backends refuse enable_gqa: fall back to expanded K/V (counted in the timing)
@@ -543,16 +502,15 @@ def run_torch_sdpa(args, S: int, backend: str, row: str):
     except RuntimeError:
         expand["gqa"] = False
         note = "K/V expanded to H heads inside the timed call (backend refused enable_gqa)"
-    base = dict(_base_record(args, row, S), impl=f"torch SDPA[{backend}]", compress="", l="",
-                d="", l_sel="", n_sel="", w="", note=note)
+    base = dict(_base_record(args, row, S), impl=f"torch SDPA[{backend}]", **NO_NSA, note=note)
     return _torch_time_passes(full, make, args, base, device)
 
 
 def run_fla(args, S: int, row: str):
-    torch, device, dtype = _torch_setup(args)
+    torch, device, dtype = common.torch_device(args)
     if device != "cuda":
         raise Skip("fla-org parallel_nsa is Triton on a GPU")
-    h = args.H // args.G
+    h = args.cfg.heads_per_group
     if h < 16 or h & (h - 1):
         raise Skip(f"fla-org parallel_nsa needs h = H/G a power of two >= 16 (h = {h})")
     try:
@@ -560,11 +518,11 @@ def run_fla(args, S: int, row: str):
         from fla.ops.nsa import parallel_nsa
     except ImportError as exc:
         raise Skip(f"fla not importable ({exc})") from None
-    cfg = nsa_config(args, fla_like=True)
+    cfg = fla_config(args.cfg)
     impl = "fla.ops.nsa.parallel_nsa"
     if fla_parallel.flash_attn_func is None:
         # fla's window branch calls the flash_attn package, absent here: give it torch's own
-        # FA-2 kernel through nsa_torch_ref.fa2 (same mask: causal, window_size = (w - 1, 0)).
+        # FA-2 kernel through nsa_torch_ref.fast.fa2 (same mask: causal, window_size = (w - 1, 0)).
         from nsa_torch_ref.fast.fa2 import sliding_window_attention_fa2
 
         def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
@@ -573,7 +531,7 @@ def run_fla(args, S: int, row: str):
             return sliding_window_attention_fa2(q, k, v, window_size[0] + 1)
 
         fla_parallel.flash_attn_func = flash_attn_func
-        impl += " (window: torch FA-2 via nsa_torch_ref.fa2)"
+        impl += " (window: torch FA-2 via nsa_torch_ref.fast.fa2)"
 
     def nsa(q, k, v, gate_logits):
         gates = torch.sigmoid(gate_logits.float()).to(q.dtype)
@@ -582,13 +540,7 @@ def run_fla(args, S: int, row: str):
                             block_size=cfg.sel_block, window_size=cfg.window)
 
     def make(seed: int):
-        gen = torch.Generator(device=device).manual_seed(seed)
-        q = _torch_normal(torch, (args.B, S, args.H, args.dk), dtype, device, gen)
-        k = _torch_normal(torch, (args.B, S, args.G, args.dk), dtype, device, gen)
-        v = _torch_normal(torch, (args.B, S, args.G, args.dv), dtype, device, gen)
-        g = _torch_normal(torch, (args.B, S, args.H, 3), dtype, device, gen)
-        return (q, k, v, g), torch.randn((args.B, S, args.H, args.dv), generator=gen,
-                                         device=device).to(dtype)
+        return _torch_qkv(args, S, device, dtype, seed, gates=True)
 
     base = dict(_base_record(args, row, S, cfg), impl=impl)
     return _torch_time_passes(nsa, make, args, base, device)
@@ -737,32 +689,15 @@ def plot(records: list[dict], path: str, title: str) -> None:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--S_list", default="8k,16k,32k,64k",
                    help="context lengths, comma list; 'k' = 1024 (add 128k when memory allows)")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per repeat")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
-    p.add_argument("--rotate", type=int, default=3, help="distinct input buffers cycled")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--B", type=int, default=1, help="batch size")
+    common.add_run_args(p, iters=20, warmup=3, repeats=5, rotate=3)
+    common.add_nsa_args(p)
     p.add_argument("--rows", default=None,
                    help=f"comma subset of: {','.join(ROWS)} (default: all for the device)")
     p.add_argument("--out", default="artifacts/bench", help="directory for CSV, PNG, env, summary")
-    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=64)
-    p.add_argument("--G", type=int, default=4)
-    p.add_argument("--dk", type=int, default=128, help="query/key head dim (paper: 192)")
-    p.add_argument("--dv", type=int, default=128, help="value head dim (paper: 128)")
-    p.add_argument("--d_model", type=int, default=2560, help="hidden size of the projections row")
-    p.add_argument("--l", type=int, default=32, help="compression block")
-    p.add_argument("--d", type=int, default=16, help="compression stride")
-    p.add_argument("--l_sel", type=int, default=64, help="selection block")
-    p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
-    p.add_argument("--w", type=int, default=512, help="sliding window")
-    p.add_argument("--compress", default="mlp", choices=("mlp", "mean"))
     p.add_argument("--torch_backends", default=None,
                    help="nsa_torch backends, e.g. cmp=fa2,sel=triton,win=fa2 (default: fastest)")
     p.add_argument("--baseline", default=None, choices=BASELINES,
@@ -778,14 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.dtype = DTYPES[args.dtype]
+    args = common.finish_args(parser.parse_args(argv))
     args.S = common.parse_int_list(args.S_list, "--S_list")
-    for name in ("iters", "repeats", "rotate", "B", "H", "G", "dk", "dv", "d_model"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.B <= 0:
+        raise ValueError(f"--B ({args.B}) must be positive")
     if args.rows:
         args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
         unknown = [r for r in args.rows if r not in ROWS]
@@ -793,15 +724,11 @@ def parse_args(argv=None):
             raise ValueError(f"--rows has unknown rows {unknown}; known: {list(ROWS)}")
     else:
         args.rows = list(DEFAULT_ROWS[args.device])
-    nsa_config(args)  # validate the NSA hyperparameters up front (ValueError naming the field)
     return args
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    common.setup_device(args.device)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv)
 
     if args.worker:  # one isolated row: write its records and leave
         records = run_row(args, args.worker,
@@ -835,8 +762,9 @@ def main(argv=None) -> int:
     common.write_csv(csv_path, records, COLUMNS)
     common.write_csv(os.path.join(args.out, "prefill_latest.csv"),
                      latest_rows(records, env["commit"]), LATEST_COLUMNS)
-    title = (f"NSA prefill: B={args.B} H={args.H} G={args.G} dk={args.dk} dv={args.dv} "
-             f"{args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
+    cfg = args.cfg
+    title = (f"NSA prefill: B={args.B} H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
+             f"dv={cfg.d_v} {args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
     plot(records, png_path, title)
     table = summary_table(records)
     with open(os.path.join(args.out, "prefill_summary.txt"), "w") as f:

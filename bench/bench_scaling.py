@@ -146,11 +146,10 @@ def add_efficiency(rows: list[dict[str, Any]], first_mesh: tuple[int, int, int])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 2)[2])
-    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
-    p.add_argument("--preset", default="paper", help="NSAConfig preset (paper, tiny)")
+    p = common.script_parser(__doc__)
+    common.add_run_args(p, iters=5, warmup=2, repeats=3, rotate=2,
+                        dtypes=("bfloat16", "float32"))
+    common.add_nsa_args(p, preset="paper")
     p.add_argument("--tokens", default="64k,128k,256k,512k,1024k",
                    help="T (strong; weak: on the widest context axis); 'k' = 1024")
     p.add_argument("--batch", type=int, default=1, help="B (strong) or rows per data shard (weak)")
@@ -160,18 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", default="fwd,fwd_bwd", help=f"comma list of {PASSES}")
     p.add_argument("--backend", default="xla", choices=("xla", "pallas"),
                    help="pallas: Pallas kernels with XLA fallback (meshes without context)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rotate", type=int, default=2, help="distinct x buffers cycled")
     p.add_argument("--csv", default=os.path.join(common.REPO_ROOT, "bench", "results",
                                                  "scaling_latest.csv"))
     return p
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
+    args = common.finish_args(build_parser().parse_args(argv))
     args.tokens = common.parse_int_list(args.tokens, "--tokens")
     args.meshes = parse_meshes(args.meshes)
     for name, allowed in (("scaling", SCALINGS), ("passes", PASSES)):
@@ -184,12 +178,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    common.setup_device(args.device)
-    from nsa_common import NSAConfig
-
-    cfg = NSAConfig.preset(args.preset)
-    device, commit = common.device_name(args.device), common.git_commit()
+    _, args = common.start(parse_args, argv)
+    cfg = args.cfg
+    device, commit = args.device_label, common.git_commit()
     done: dict[tuple, tuple[str, str, list]] = {}
     rows = []
     for point in points(args):

@@ -76,10 +76,6 @@ REFERENCE_PATH = "sdpa"
 FAST_PATHS = {"sel": "triton", "win": "fa2", "cmp": "fa2"}
 THRESHOLD_KEYS = {"sel": "sel_triton_min_l", "win": "fa2_min_len_win", "cmp": "fa2_min_len_cmp"}
 PASSES = ("fwd", "fwd_bwd")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32"}
-# Largest relative L2 error of the fast path against the float32 reference (output, gradients).
-TOLERANCES = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
 # fa2's kernel calls, by module attribute, and the label each gets in the `kernel` column.
 FA2_KERNEL_CALLS = {"_flash_attn_dense": "flash_attn", "_flash_attn_varlen": "flash_attn varlen",
                     "_torch_sdpa_flash": "torch sdpa[flash]",
@@ -91,24 +87,6 @@ SLOWER_THAN = "skipped: slower than"  # note prefix of the cells a slow path no 
 # ---------------------------------------------------------------------------------------------
 # Inputs
 # ---------------------------------------------------------------------------------------------
-def nsa_config(args):
-    from nsa_common import NSAConfig
-
-    return NSAConfig(n_heads=args.H, n_kv_heads=args.G, d_k=args.dk, d_v=args.dv,
-                     cmp_block=args.l, cmp_stride=args.d, sel_block=args.l_sel, n_sel=args.n_sel,
-                     window=args.w)
-
-
-def _torch_setup(args):
-    import torch
-
-    if args.device == "gpu" and not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[args.dtype]
-    return torch, ("cuda" if args.device == "gpu" else "cpu"), dtype
-
-
 @dataclasses.dataclass
 class Problem:
     """One call's inputs: `fn(*tensors, *extra)`; gradients flow to `tensors` (q, k, v or q,
@@ -148,24 +126,24 @@ def random_block_idx(B: int, T: int, G: int, cfg, generator, device, query_chunk
 def make_problem(args, cfg, branch: str, T: int, seed: int) -> Problem:
     from nsa_common import num_cmp_blocks
 
-    torch, device, dtype = _torch_setup(args)
+    torch, device, dtype = common.torch_device(args)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def normal(shape, grad=True):
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
         return x.requires_grad_(grad)
 
-    B, H, G = args.B, args.H, args.G
-    q = normal((B, T, H, args.dk))
+    B, H, G = args.B, cfg.n_heads, cfg.n_kv_heads
+    q = normal((B, T, H, cfg.d_k))
     kv_len = num_cmp_blocks(cfg, T) if branch == "cmp" else T
-    k, v = normal((B, kv_len, G, args.dk)), normal((B, kv_len, G, args.dv))
+    k, v = normal((B, kv_len, G, cfg.d_k)), normal((B, kv_len, G, cfg.d_v))
     if branch == "sel":
         extra = (random_block_idx(B, T, G, cfg, gen, device), cfg.sel_block)
     elif branch == "win":
         extra = (cfg.window,)
     else:
         extra = (cfg,)
-    return Problem((q, k, v), extra, normal((B, T, H, args.dv), grad=False))
+    return Problem((q, k, v), extra, normal((B, T, H, cfg.d_v), grad=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,17 +185,19 @@ def fa2_kernels_run() -> Iterator[list[str]]:
     """Within the block, the labels of fa2's kernel calls that returned a result, in call order.
 
     The calls are looked up as module globals at call time, so wrapping the attributes for the
-    block sees every one; they are restored on exit.
+    block sees every one; they are restored on exit. These are fa2's private functions (it says
+    nothing public about the kernel that served a call): a renamed one is an error here, never a
+    probe that silently sees nothing.
     """
     from nsa_torch_ref.fast import fa2
 
+    missing = [name for name in FA2_KERNEL_CALLS if not hasattr(fa2, name)]
+    if missing:
+        raise RuntimeError(f"nsa_torch_ref.fa2 has no {missing}: update FA2_KERNEL_CALLS")
     ran: list[str] = []
     originals = {}
     for name, label in FA2_KERNEL_CALLS.items():
-        original = getattr(fa2, name, None)
-        if original is None:
-            continue
-        originals[name] = original
+        original = originals[name] = getattr(fa2, name)
 
         def spy(*call_args, _original=original, _label=label, **call_kwargs):
             out = _original(*call_args, **call_kwargs)
@@ -237,7 +217,7 @@ def _fa2_precheck(problem: Problem, args) -> None:
     """Skip before running when fa2's kernel choice already says "reference" (CPU, float32)."""
     from nsa_torch_ref.fast import fa2
 
-    kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.dk, args.dv))
+    kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.cfg.d_k, args.cfg.d_v))
     if kernel == "reference":
         raise Skip(f"fa2 would run the reference: {reason}")
 
@@ -245,7 +225,7 @@ def _fa2_precheck(problem: Problem, args) -> None:
 def _fa2_fallback_reason(problem: Problem, args) -> str:
     from nsa_torch_ref.fast import fa2
 
-    kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.dk, args.dv))
+    kernel, reason = fa2.kernel_choice(problem.tensors[0], max(args.cfg.d_k, args.cfg.d_v))
     if kernel == "reference":
         return reason
     return f"the {kernel} kernel refused the call ({json.dumps(fa2.versions())})"
@@ -379,11 +359,17 @@ def _errors(path: str, outputs, grads, exact) -> dict[str, Optional[float]]:
     return errors
 
 
+def _shape(args) -> dict[str, int]:
+    """The B and NSA columns of every record (and of the thresholds JSON's "shape")."""
+    cfg = args.cfg
+    return {"B": args.B, "H": cfg.n_heads, "G": cfg.n_kv_heads, "dk": cfg.d_k, "dv": cfg.d_v,
+            "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
+            "w": cfg.window}
+
+
 def _base_record(args, branch: str, path: str, T: int, pass_name: str) -> dict[str, Any]:
     return {"bench": "torch_paths", "branch": branch, "path": path, "pass": pass_name, "T": T,
-            "B": args.B, "H": args.H, "G": args.G, "dk": args.dk, "dv": args.dv, "l": args.l,
-            "d": args.d, "l_sel": args.l_sel, "n_sel": args.n_sel, "w": args.w,
-            "dtype": args.dtype, "device": args.device_label}
+            **_shape(args), "dtype": args.dtype, "device": args.device_label}
 
 
 def run_point(args, cfg, branch: str, T: int, stopped: dict) -> list[dict[str, Any]]:
@@ -393,7 +379,7 @@ def run_point(args, cfg, branch: str, T: int, stopped: dict) -> list[dict[str, A
     """
     paths = (REFERENCE_PATH, FAST_PATHS[branch])
     try:
-        _, device, _ = _torch_setup(args)
+        _, device, _ = common.torch_device(args)
         problems = [make_problem(args, cfg, branch, T, seed=1000 * T + i)
                     for i in range(args.rotate)]
     except Exception as exc:
@@ -668,29 +654,16 @@ def plot(records: list[dict], path: str, title: str, branches) -> None:
 # CLI
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--T_list", default="128,256,512,1k,2k,4k,8k,16k",
                    help="sequence lengths, comma list; 'k' = 1024")
     p.add_argument("--branches", default=",".join(BRANCHES),
                    help=f"comma subset of {','.join(BRANCHES)}")
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=64)
-    p.add_argument("--G", type=int, default=4)
-    p.add_argument("--dk", type=int, default=128)
-    p.add_argument("--dv", type=int, default=128)
-    p.add_argument("--l", type=int, default=32, help="compression block")
-    p.add_argument("--d", type=int, default=16, help="compression stride")
-    p.add_argument("--l_sel", type=int, default=64, help="selection block")
-    p.add_argument("--n_sel", type=int, default=16, help="selected blocks")
-    p.add_argument("--w", type=int, default=512, help="sliding window")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--iters", type=int, default=10, help="timed calls per repeat (at most)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="warm-up calls per cell (after one untimed correctness call per path)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rotate", type=int, default=2, help="distinct input sets cycled")
+    p.add_argument("--B", type=int, default=1, help="batch size")
+    # --warmup: warm-up calls per cell, after one untimed correctness call per path;
+    # --iters: timed calls per repeat, at most (--cell_budget_s).
+    common.add_run_args(p, iters=10, warmup=2, repeats=3, rotate=2)
+    common.add_nsa_args(p)
     p.add_argument("--cell_budget_s", type=float, default=1.0,
                    help="fewer timed calls when iters x repeats would take longer than this")
     p.add_argument("--max_call_s", type=float, default=10.0,
@@ -699,14 +672,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest relative L2 error of a correct fast path against the float32 "
                         "reference (default: 1e-2 for bf16/fp16, 1e-4 for fp32)")
     p.add_argument("--out", default="artifacts/bench", help="directory for CSV, PNG, JSON, summary")
-    p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     return p
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    args.dtype = DTYPES[args.dtype]
+    args = common.finish_args(build_parser().parse_args(argv))
     args.T = sorted(set(common.parse_int_list(args.T_list, "--T_list")))
     args.branch_list = [b.strip() for b in args.branches.split(",") if b.strip()]
     unknown = [b for b in args.branch_list if b not in BRANCHES]
@@ -714,19 +685,15 @@ def parse_args(argv=None):
         raise ValueError(f"--branches ({args.branches!r}) must be a comma subset of "
                          f"{list(BRANCHES)}")
     args.branch_list = [b for b in BRANCHES if b in args.branch_list]
-    for name in ("iters", "repeats", "rotate", "B", "H", "G", "dk", "dv"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
-    if args.warmup < 0:
-        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.B <= 0:
+        raise ValueError(f"--B ({args.B}) must be positive")
     for name in ("cell_budget_s", "max_call_s"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
     if args.tolerance is None:
-        args.tolerance = TOLERANCES[args.dtype]
+        args.tolerance = common.REL_L2_TOLERANCE[args.dtype]
     elif not args.tolerance > 0:
         raise ValueError(f"--tolerance ({args.tolerance}) must be positive")
-    nsa_config(args)  # ValueError naming the field on a bad hyperparameter
     return args
 
 
@@ -739,12 +706,10 @@ def _fa2_versions() -> dict:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    args.device_label = common.device_name(args.device)
+    argv, args = common.start(parse_args, argv, uses_jax=False)
     # Before anything imports triton (torch's checkpointing in the reference may).
     args.interpreter_problem = enable_triton_interpreter() if args.device == "cpu" else None
-    cfg = nsa_config(args)
+    cfg = args.cfg
     os.makedirs(args.out, exist_ok=True)
     env = common.write_environment(os.path.join(args.out, "torch_paths_env.json"),
                                    {"argv": argv, "device_label": args.device_label,
@@ -770,16 +735,14 @@ def main(argv=None) -> int:
     add_speedups(records)
     thresholds = recommend_thresholds(records, args.tolerance)
     common.write_csv(csv_path, records, COLUMNS)
-    title = (f"nsa_torch_ref fast paths vs sdpa: B={args.B} H={args.H} G={args.G} dk={args.dk} "
-             f"dv={args.dv} {args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
+    title = (f"nsa_torch_ref fast paths vs sdpa: B={args.B} H={cfg.n_heads} G={cfg.n_kv_heads} "
+             f"dk={cfg.d_k} dv={cfg.d_v} {args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
     plot(records, png_path, title, args.branch_list)
     with open(json_path, "w") as f:
         json.dump({"thresholds": {item["key"]: item["value"] for item in thresholds.values()},
                    "details": thresholds, "tolerance": args.tolerance, "dtype": args.dtype,
                    "T_list": args.T, "device": args.device_label, "commit": env["commit"],
-                   "shape": {"B": args.B, "H": args.H, "G": args.G, "dk": args.dk,
-                             "dv": args.dv, "l": args.l, "d": args.d, "l_sel": args.l_sel,
-                             "n_sel": args.n_sel, "w": args.w}},
+                   "shape": _shape(args)},
                   f, indent=2)
     table = summary_table(records, thresholds)
     recommendation = format_thresholds(thresholds, args.tolerance)

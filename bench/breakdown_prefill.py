@@ -20,11 +20,13 @@ attention BlockSizes), `select` (select_blocks BlockSizes), `selected` (selected
 BlockSizes). Writes `breakdown.csv` and prints a table.
 
 Example (GPU): python bench/breakdown_prefill.py --S_list 8k,64k --out artifacts/breakdown
+CPU smoke:     python bench/breakdown_prefill.py --device cpu --preset tiny --dv 16 --S_list 64 \
+                   --iters 1 --repeats 1 --warmup 0 --rotate 1 --dtype float32 \
+                   --out /tmp/breakdown   (Pallas' interpreter; the FA-3 stages print skipped)
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Any, Callable
@@ -39,7 +41,10 @@ COLUMNS = ["variant", "stage", "pass", "S", "status", "ms", "ms_min", "ms_max", 
            "commit"]
 STAGES = ("compress", "cmp_attn", "select", "selected", "window", "window_fa3", "core",
           "fa3_full")
-KERNELS = {"cmp": "compressed_blocks", "select": "select_blocks", "selected": "selected_blocks"}
+# kernel -> (PallasOptions field, the kernel's module, whose BlockSizes the field holds)
+KERNELS = {"cmp": ("compressed_blocks", "pallas_kernels.compressed_attention"),
+           "select": ("select_blocks", "pallas_kernels.select_blocks"),
+           "selected": ("selected_blocks", "pallas_kernels.selected_attention")}
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
@@ -72,12 +77,13 @@ def _literal(value: str):
 
 def pallas_options(fields: dict[str, dict[str, Any]]):
     """The `{"pallas": PallasOptions}` mapping of one variant (kernel defaults elsewhere)."""
-    from nsa_jax import pallas_backend as pb
+    import importlib
 
-    modules = {"cmp": pb.cmp_kernel, "select": pb.select_kernel, "selected": pb.sel_kernel}
-    kwargs = {KERNELS[kernel]: modules[kernel].BlockSizes(**values)
+    from nsa_jax import PallasOptions
+
+    kwargs = {KERNELS[kernel][0]: importlib.import_module(KERNELS[kernel][1]).BlockSizes(**values)
               for kernel, values in fields.items()}
-    return {"pallas": pb.PallasOptions(**kwargs)}
+    return {"pallas": PallasOptions(**kwargs)}
 
 
 def time_pass(fn: Callable, inputs: list[tuple], args, grad: bool) -> dict[str, Any]:
@@ -92,11 +98,9 @@ def time_pass(fn: Callable, inputs: list[tuple], args, grad: bool) -> dict[str, 
             return pullback(jax.tree_util.tree_map(jnp.ones_like, out))
     else:
         run = fn
-    compiled = jax.jit(run).lower(*inputs[0]).compile()
-    timing = common.time_jax(lambda i: compiled(*inputs[i % len(inputs)]), iters=args.iters,
-                             warmup=args.warmup, repeats=args.repeats)
-    return {"status": common.OK, "ms": timing.ms, "ms_min": timing.ms_min,
-            "ms_max": timing.ms_max}
+    timing, _ = common.time_jax_fn(run, inputs, iters=args.iters, warmup=args.warmup,
+                                   repeats=args.repeats)
+    return {"status": common.OK, **timing.fields()}
 
 
 def stage_functions(cfg, options) -> dict[str, tuple[Callable, Callable, bool]]:
@@ -105,7 +109,7 @@ def stage_functions(cfg, options) -> dict[str, tuple[Callable, Callable, bool]]:
 
     backend = ("pallas", "xla")
     kw = dict(backend=backend, options=options)
-    core, _ = bench_prefill._nsa_jax_core(cfg, "pallas", options=options)
+    core, _ = bench_prefill.nsa_jax_core(cfg, "pallas", options=options)
 
     def compress(k_in, v_in, cmp_params):
         return (nsa_jax.compress_kv(k_in, cmp_params.get("cmp_k"), cfg, **kw),
@@ -124,8 +128,10 @@ def stage_functions(cfg, options) -> dict[str, tuple[Callable, Callable, bool]]:
         return nsa_jax.sliding_window_attention(q, k, v, cfg.window, **kw)
 
     def window_fa3(q, k, v):
-        from flash_attn3_jax import flash_mha
-
+        try:
+            from flash_attn3_jax import flash_mha
+        except ImportError as exc:
+            raise common.Skip(f"flash_attn3_jax not importable ({exc})") from None
         return flash_mha(q, k, v, is_causal=True, window_size=(cfg.window - 1, 0))
 
     return {
@@ -145,7 +151,7 @@ def prepare(cfg, args, S: int, seed: int, options) -> dict[str, Any]:
     import nsa_jax
 
     (q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gates, cmp_params), _ = \
-        bench_prefill._nsa_jax_inputs(cfg, args, S, shared_kv=False)(seed)
+        bench_prefill.nsa_jax_inputs(cfg, args, S, shared_kv=False)(seed)
     kw = dict(backend=("pallas", "xla"), options=options)
     k_cmp = nsa_jax.compress_kv(k_cmp_in, cmp_params.get("cmp_k"), cfg, **kw)
     v_cmp = nsa_jax.compress_kv(v_cmp_in, cmp_params.get("cmp_v"), cfg, **kw)
@@ -162,7 +168,7 @@ def prepare(cfg, args, S: int, seed: int, options) -> dict[str, Any]:
 def run(args) -> list[dict[str, Any]]:
     import jax
 
-    cfg = bench_prefill.nsa_config(args)
+    cfg = args.cfg
     device = args.device_label = common.device_name(args.device)
     commit = common.git_commit()[:12]
     records = []
@@ -193,6 +199,8 @@ def run(args) -> list[dict[str, Any]]:
                                   **{"pass": pass_name})
                     try:
                         record.update(time_pass(fn, inputs, args, pass_name == "fwd_bwd"))
+                    except common.Skip as why:
+                        record.update(status=common.SKIPPED, note=f"skipped: {why}")
                     except Exception as exc:  # a failed variant is a row, not a crash
                         record.update(status=common.classify_exception(exc),
                                       note=common.short_error(exc))
@@ -213,6 +221,8 @@ def _fa3(args, S, device, commit) -> list[dict[str, Any]]:
             match = [r for r in rows if r["pass"] == pass_name][0]
             record.update(status=match["status"], ms=match.get("ms"), ms_min=match.get("ms_min"),
                           ms_max=match.get("ms_max"), note=match.get("note", ""))
+        except common.Skip as why:
+            record.update(status=common.SKIPPED, note=f"skipped: {why}")
         except Exception as exc:
             record.update(status=common.classify_exception(exc), note=common.short_error(exc))
         records.append(record)
@@ -229,7 +239,7 @@ def _line(r) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_prefill.build_parser()
-    parser.description = __doc__.split("\n")[0]
+    parser.description, parser.epilog = __doc__.split("\n", 1)
     parser.set_defaults(S_list="64k", out="artifacts/breakdown", iters=10, repeats=3, rotate=2)
     parser.add_argument("--variants", default="base", help="see the module docstring")
     parser.add_argument("--stages", default=",".join(STAGES),
@@ -238,8 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    args.dtype = bench_prefill.DTYPES[args.dtype]
+    args = common.finish_args(build_parser().parse_args(argv))
     args.S = common.parse_int_list(args.S_list, "--S_list")
     args.variants = parse_variants(args.variants)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]

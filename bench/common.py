@@ -1,4 +1,10 @@
-"""Shared helpers of the benchmark scripts: device setup, timing, memory, CSV, plots, environment.
+"""The one harness of the benchmark scripts: device setup, the shared flags, timing, memory, CSV,
+plots, the environment record.
+
+Every script takes the NSA settings from `add_nsa_args` (a preset, then one override flag per
+NSAConfig field: --d_model --H --G --dk --dv --l --d --l_sel --n_sel --n_init --n_local --w
+--compress) and the run settings from `add_run_args` (--device --dtype --iters --warmup
+--repeats --rotate); `finish_args` checks them and puts the NSAConfig on `args.cfg`.
 
 Importing this module sets `XLA_PYTHON_CLIENT_PREALLOCATE=false` (unless the caller set it): JAX
 would otherwise reserve 75% of the GPU at start-up, and the torch rows that follow in the same
@@ -48,6 +54,25 @@ class Skip(Exception):
 # ---------------------------------------------------------------------------------------------
 # Device and argument helpers
 # ---------------------------------------------------------------------------------------------
+def script_parser(doc: str):
+    """A script's ArgumentParser: its docstring's first line, then the rest as the epilog."""
+    import argparse
+
+    return argparse.ArgumentParser(description=doc.split("\n")[0], epilog=doc.split("\n", 1)[1],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def start(parse_args: Callable, argv: Optional[Sequence[str]] = None, *, uses_jax: bool = True):
+    """(argv, args): `argv` (the command line's by default) parsed by `parse_args`, JAX pinned to
+    `--device` before it loads (`uses_jax`), and `args.device_label` for the CSV."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if uses_jax:
+        setup_device(args.device)
+    args.device_label = device_name(args.device)
+    return argv, args
+
+
 def setup_device(device: str) -> None:
     """Pin JAX to the requested platform before it is imported. `device` is "gpu" or "cpu"."""
     if device not in ("gpu", "cpu"):
@@ -56,6 +81,33 @@ def setup_device(device: str) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
     else:
         os.environ.setdefault("JAX_PLATFORMS", "cuda,cpu")
+
+
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+          "float32": "float32", "fp32": "float32"}
+
+
+# Largest relative L2 error of a kernel's output or gradients against a float32 reference.
+REL_L2_TOLERANCE = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 1e-4}
+
+
+def jnp_dtype(name: str):
+    """A canonical dtype name of DTYPES' values -> the jnp dtype."""
+    import jax.numpy as jnp
+
+    return {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[name]
+
+
+def torch_device(args):
+    """(torch, "cuda" | "cpu", torch dtype) of `--device` and `--dtype`; Skip when a GPU run's
+    torch sees no CUDA device."""
+    import torch
+
+    if args.device == "gpu" and not torch.cuda.is_available():
+        raise Skip("torch sees no CUDA device")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[args.dtype]
+    return torch, ("cuda" if args.device == "gpu" else "cpu"), dtype
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -75,6 +127,95 @@ def parse_int_list(text: str, name: str) -> list[int]:
     if not values:
         raise ValueError(f"{name} ({text!r}) is empty")
     return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared flags: the NSA settings (a preset, then per-field overrides) and the run settings
+# ---------------------------------------------------------------------------------------------
+# flag -> (NSAConfig field, help). One spelling in every script.
+NSA_FLAGS = {
+    "d_model": ("d_model", "hidden size (the layer's projections)"),
+    "H": ("n_heads", "query heads"),
+    "G": ("n_kv_heads", "KV heads"),
+    "dk": ("d_k", "query/key head dim"),
+    "dv": ("d_v", "value head dim"),
+    "l": ("cmp_block", "compression block"),
+    "d": ("cmp_stride", "compression stride"),
+    "l_sel": ("sel_block", "selection block"),
+    "n_sel": ("n_sel", "selected blocks"),
+    "n_init": ("n_init", "forced initial blocks"),
+    "n_local": ("n_local", "forced local blocks"),
+    "w": ("window", "sliding window"),
+}
+NSA_PRESETS = ("bench", "paper", "tiny")
+
+
+def nsa_preset(name: str):
+    """The NSAConfig of a preset name. "bench" is the paper's attention with d_k = 128 instead of
+    192 (d_k = d_v, which FA-3's decode baseline needs; the figures of bench/RESULTS.md)."""
+    from nsa_common import NSAConfig
+
+    if name == "bench":
+        return NSAConfig.paper(d_k=128)
+    if name not in NSA_PRESETS:
+        raise ValueError(f"--preset ({name!r}) must be one of {list(NSA_PRESETS)}")
+    return NSAConfig.preset(name)
+
+
+def add_nsa_args(parser, preset: str = "bench") -> None:
+    """--preset and one override flag per NSAConfig field (NSA_FLAGS, --compress)."""
+    group = parser.add_argument_group(
+        "NSA settings", "a preset, then per-field overrides (unset flags keep the preset's value)")
+    group.add_argument("--preset", default=preset, choices=NSA_PRESETS,
+                       help=f"NSAConfig preset (default {preset}; bench = paper with d_k 128)")
+    for flag, (field, text) in NSA_FLAGS.items():
+        group.add_argument(f"--{flag}", type=int, default=None, help=f"{text} ({field})")
+    group.add_argument("--compress", default=None, choices=("mlp", "mean"),
+                       help="compression (compress)")
+
+
+def nsa_config(args):
+    """The NSAConfig of `add_nsa_args`' flags: the preset with the flags that were set.
+    ValueError naming the field on a bad combination."""
+    changes = {field: getattr(args, flag) for flag, (field, _) in NSA_FLAGS.items()
+               if getattr(args, flag) is not None}
+    if args.compress is not None:
+        changes["compress"] = args.compress
+    return nsa_preset(args.preset).replace(**changes)
+
+
+def add_run_args(parser, *, iters: Optional[int] = None, warmup: Optional[int] = None,
+                 repeats: Optional[int] = None, rotate: Optional[int] = None,
+                 dtypes: Sequence[str] = tuple(sorted(DTYPES))) -> None:
+    """--device, --dtype and, with their defaults given, the timing counts (`time_jax`,
+    `time_torch`): --iters, --warmup, --repeats, --rotate."""
+    parser.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
+    parser.add_argument("--dtype", default="bfloat16", choices=dtypes)
+    if iters is not None:
+        parser.add_argument("--iters", type=int, default=iters, help="timed calls per repeat")
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls first")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help="repeats; the median is reported")
+    if rotate is not None:
+        parser.add_argument("--rotate", type=int, default=rotate,
+                            help="distinct input buffers cycled")
+
+
+def finish_args(args):
+    """After parsing: the canonical dtype name, the counts checked, `args.cfg` (the NSAConfig)
+    when the script takes the NSA settings. Returns args."""
+    if getattr(args, "dtype", None) is not None:
+        args.dtype = DTYPES[args.dtype]
+    for name in ("iters", "repeats", "rotate"):
+        if hasattr(args, name) and getattr(args, name) <= 0:
+            raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
+    if hasattr(args, "warmup") and args.warmup < 0:
+        raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if hasattr(args, "preset"):
+        args.cfg = nsa_config(args)
+    return args
 
 
 def classify_exception(exc: BaseException) -> str:
@@ -102,6 +243,10 @@ class Timing:
     ms_min: float
     ms_max: float
     samples: int
+
+    def fields(self) -> dict[str, float]:
+        """The CSV columns every bench writes: ms, ms_min, ms_max."""
+        return {"ms": self.ms, "ms_min": self.ms_min, "ms_max": self.ms_max}
 
 
 def _summarise(per_iter_ms: Sequence[float]) -> Timing:
@@ -138,6 +283,18 @@ def time_jax(step: Callable[[int], Any], *, iters: int, warmup: int, repeats: in
         jax.block_until_ready(out)
         per_iter.append((time.perf_counter() - start) * 1e3 / iters)
     return _summarise(per_iter)
+
+
+def time_jax_fn(fn: Callable, inputs: Sequence[tuple], *, iters: int, warmup: int,
+                repeats: int = 5) -> tuple[Timing, Any]:
+    """Compile `fn` once for `inputs[0]` (compilation excluded), then `time_jax` it over the
+    input tuples in turn. Returns (timing, the compiled program: `jax_compiled_peak_bytes`)."""
+    import jax
+
+    compiled = jax.jit(fn).lower(*inputs[0]).compile()
+    timing = time_jax(lambda i: compiled(*inputs[i % len(inputs)]), iters=iters, warmup=warmup,
+                      repeats=repeats)
+    return timing, compiled
 
 
 def time_torch(step: Callable[[int], Any], *, iters: int, warmup: int, repeats: int = 5,
@@ -350,6 +507,8 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
+        if 0 < abs(value) < 1e-3:  # errors and tolerances
+            return f"{value:.2e}"
         if value >= 100:
             return f"{value:.1f}"
         if value >= 1:

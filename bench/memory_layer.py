@@ -1,28 +1,27 @@
 """Compiled memory of the whole NSA layer (forward + backward) per backend, and a scan of the
 optimised HLO for any `[T, T/d]`-sized array (issue 6: no O(T^2/d) memory).
 
-    python bench/memory_layer.py --T 65536 --backends pallas,xla --out bench/results
+Compiles only (`jax.jit(...).lower(...).compile().memory_analysis()`); nothing is timed. Writes
+memory_layer.csv and memory_layer_env.json to --out and prints a table.
 
-Compiles only (`jax.jit(...).lower(...).compile().memory_analysis()`); nothing is timed.
+Example (GPU): python bench/memory_layer.py --S_list 64k --backends pallas,xla --out bench/results
+CPU smoke:     python bench/memory_layer.py --device cpu --preset tiny --S_list 256 \\
+                   --backends xla --dtype float32 --out /tmp/memory_layer
 """
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import re
 import sys
 
-import jax
-import jax.numpy as jnp
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import nsa_jax  # noqa: E402
-from nsa_common import NSAConfig, num_cmp_blocks  # noqa: E402
+from bench import common  # noqa: E402
 
 SHAPE = re.compile(r"\[([0-9,]+)\]")
+GIB = 1024 ** 3
 
 
 def quadratic_shapes(hlo_text: str, T: int, C: int) -> list[str]:
@@ -37,7 +36,13 @@ def quadratic_shapes(hlo_text: str, T: int, C: int) -> list[str]:
     return sorted(found)
 
 
-def analyse(cfg: NSAConfig, T: int, backend, dtype) -> dict:
+def analyse(cfg, T: int, backend, dtype) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    import nsa_jax
+    from nsa_common import num_cmp_blocks
+
     params = jax.eval_shape(lambda: nsa_jax.init_params(jax.random.PRNGKey(0), cfg, dtype))
     x = jax.ShapeDtypeStruct((1, T, cfg.d_model), dtype)
 
@@ -48,51 +53,53 @@ def analyse(cfg: NSAConfig, T: int, backend, dtype) -> dict:
     memory = compiled.memory_analysis()
     C = num_cmp_blocks(cfg, T)
     suspicious = quadratic_shapes(compiled.as_text(), T, C)
-    gib = 1024 ** 3
     return {
         "T": T, "backend": "+".join(backend) if isinstance(backend, tuple) else backend,
-        "temp_GiB": memory.temp_size_in_bytes / gib,
-        "argument_GiB": memory.argument_size_in_bytes / gib,
-        "output_GiB": memory.output_size_in_bytes / gib,
+        "temp_GiB": memory.temp_size_in_bytes / GIB,
+        "argument_GiB": memory.argument_size_in_bytes / GIB,
+        "output_GiB": memory.output_size_in_bytes / GIB,
         "T_by_C_arrays": len(suspicious), "examples": " ".join(suspicious[:4]),
-        "naive_p_cmp_GiB": T * cfg.n_heads * C * 4 / gib,
+        "naive_p_cmp_GiB": T * cfg.n_heads * C * 4 / GIB,
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = common.script_parser(__doc__)
+    p.add_argument("--S_list", default="64k", help="sequence lengths, comma list; 'k' = 1024")
+    p.add_argument("--backends", default="pallas,xla",
+                   help="comma list; a backend other than xla falls back to xla")
+    common.add_run_args(p)
+    common.add_nsa_args(p)
+    p.add_argument("--out", default="bench/results")
+    return p
+
+
+def parse_args(argv=None):
+    args = common.finish_args(build_parser().parse_args(argv))
+    args.S = common.parse_int_list(args.S_list, "--S_list")
+    return args
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--T", default="65536", help="comma list of sequence lengths")
-    parser.add_argument("--backends", default="pallas,xla")
-    parser.add_argument("--dk", type=int, default=128)
-    parser.add_argument("--dv", type=int, default=128)
-    parser.add_argument("--out", default="bench/results")
-    args = parser.parse_args(argv)
-    cfg = NSAConfig.paper(d_k=args.dk, d_v=args.dv)
+    argv, args = common.start(parse_args, argv)
+    dtype = common.jnp_dtype(args.dtype)
+    os.makedirs(args.out, exist_ok=True)
+    common.write_environment(os.path.join(args.out, "memory_layer_env.json"), {"argv": argv})
     rows = []
-    for T in [int(t) for t in args.T.split(",")]:
+    for T in args.S:
         for name in args.backends.split(","):
             backend = (name, "xla") if name != "xla" else "xla"
             try:
-                row = analyse(cfg, T, backend, jnp.bfloat16)
-            except Exception as error:  # noqa: BLE001 - a failed compile is a result too
-                row = {"T": T, "backend": name, "error": f"{type(error).__name__}: {error}"[:300]}
+                row = analyse(args.cfg, T, backend, dtype)
+            except Exception as exc:  # a failed compile is a result too
+                row = {"T": T, "backend": name, "error": common.short_error(exc, 300)}
             rows.append(row)
-            print(json.dumps(row), flush=True)
-    os.makedirs(args.out, exist_ok=True)
+            print(row, flush=True)
     path = os.path.join(args.out, "memory_layer.csv")
-    keys = sorted({k for r in rows for k in r})
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\n{'T':>7} {'backend':<12} {'temp GiB':>9} {'args GiB':>9} {'[T,C] arrays':>12} "
-          f"{'naive p_cmp GiB':>15}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['T']:>7} {r['backend']:<12} error: {r['error']}")
-            continue
-        print(f"{r['T']:>7} {r['backend']:<12} {r['temp_GiB']:>9.2f} {r['argument_GiB']:>9.2f} "
-              f"{r['T_by_C_arrays']:>12} {r['naive_p_cmp_GiB']:>15.1f}")
+    common.write_csv(path, rows, sorted({key for row in rows for key in row}))
+    header = ["T", "backend", "temp_GiB", "argument_GiB", "T_by_C_arrays", "naive_p_cmp_GiB",
+              "error"]
+    print(common.format_table([[row.get(key) for key in header] for row in rows], header))
     print(f"wrote {path}")
     return 0
 

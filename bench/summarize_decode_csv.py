@@ -8,7 +8,6 @@ attention's S + 1), the full-attention step and the speed-up.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -59,7 +58,7 @@ def summarize(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = common.script_parser(__doc__)
     parser.add_argument("csv", help="the CSV written by bench_decode.py")
     args = parser.parse_args(argv)
     if not os.path.exists(args.csv):

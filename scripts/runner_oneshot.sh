@@ -37,6 +37,8 @@
 #   PYTHON          interpreter (default python3)
 #   PREFILL_S, PREFILL_ROWS, PREFILL_ITERS, PREFILL_ARGS   bench_prefill settings
 #   DECODE_S, DECODE_B, DECODE_ITERS, DECODE_ARGS          bench_decode settings
+#                   (*_ARGS: more flags, spelled as every bench spells them, bench/common.py:
+#                   e.g. "--preset paper" or "--dk 192 --dv 128", "--H 64 --G 4", "--l_sel 64")
 #   SHOWCASE_BUDGET_S, SHOWCASE_ARGS                       train_recall's budget and arguments
 #   PYTEST_ARGS     extra pytest arguments
 set -u

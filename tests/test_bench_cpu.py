@@ -5,6 +5,7 @@ a GPU says "skipped" instead of crashing (the decode breakdown's branch-only ste
 `nsa_jax.decode.decode_step_branches`, tested in test_jax_decode / test_pallas_decode).
 """
 import csv
+import importlib
 import json
 import os
 import subprocess
@@ -119,8 +120,8 @@ def test_prefill_rejects_bad_arguments():
 def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     csv_path = tmp_path / "decode" / "decode.csv"
     S = 40
-    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--dim", "32",
-                                         "--heads", "4", "--groups", "2", "--iters", "2",
+    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--d_model", "32",
+                                         "--H", "4", "--G", "2", "--iters", "2",
                                          "--warmup", "1", "--repeats", "1", "--rotate", "2",
                                          "--full_impls", "xla,fa3", "--branch_force_mode", "sel",
                                          "--csv", str(csv_path),
@@ -161,6 +162,32 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     assert _is_png(tmp_path / "decode" / "decode.png")
     assert (tmp_path / "decode" / "decode_summary.txt").exists()
     assert "speedup" in capsys.readouterr().out
+
+
+NSA_SCRIPTS = ("bench_prefill", "bench_decode", "breakdown_prefill", "bench_selection",
+               "bench_compressed", "bench_torch_paths", "bench_scaling", "memory_layer")
+
+
+def test_every_script_takes_the_nsa_settings_alike():
+    """One parser (common.add_nsa_args): the same flags give the same NSAConfig in every script,
+    a flag left out keeps the preset's value, and the old spellings are gone."""
+    argv = ["--preset", "tiny", "--H", "8", "--G", "2", "--dk", "32", "--dv", "16", "--l", "8",
+            "--d", "4", "--l_sel", "16", "--n_sel", "5", "--n_local", "1", "--w", "32",
+            "--d_model", "48", "--compress", "mean"]
+    want = NSAConfig.tiny(n_heads=8, n_kv_heads=2, d_k=32, d_v=16, cmp_block=8, cmp_stride=4,
+                          sel_block=16, n_sel=5, n_local=1, window=32, d_model=48,
+                          compress="mean")
+    for name in NSA_SCRIPTS:
+        parser = importlib.import_module(f"bench.{name}").build_parser()
+        assert common.finish_args(parser.parse_args(argv)).cfg == want, name
+        preset = parser.get_default("preset")
+        assert common.finish_args(parser.parse_args([])).cfg == common.nsa_preset(preset), name
+        for old in (["--heads", "4"], ["--groups", "2"], ["--dim", "32"], ["--kv-heads", "2"]):
+            with pytest.raises(SystemExit):
+                parser.parse_args(old)
+    assert common.nsa_preset("bench") == NSAConfig.paper(d_k=128)
+    with pytest.raises(ValueError, match="cmp_stride"):
+        common.finish_args(bench_decode.build_parser().parse_args(["--d", "5"]))
 
 
 def test_force_gates_rejects_unknown_branch():
