@@ -64,7 +64,8 @@ Nothing had to be changed in the library: every difference above is configuratio
 Example (GPU):  python bench/fla_agreement.py --S_list 8k,64k --dtypes bfloat16,float32
 CPU (tiny):     python bench/fla_agreement.py --device cpu --S_list 64 --H 16 --G 1 --dk 16 \\
                     --dv 16 --l_sel 8 --n_sel 4 --w 16 --dtypes float32
-Writes <out>/fla_agreement.csv and <out>/fla_agreement_summary.txt (the table it prints).
+Writes <out>/fla_agreement.csv and <out>/fla_agreement_summary.txt (the table it prints); exits
+1 when a judged comparison is outside its tolerance.
 """
 from __future__ import annotations
 
@@ -90,8 +91,7 @@ DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp3
 TOLERANCES = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 1e-2)}
 # Triton's interpreter (3.9) multiplies bf16 tiles wrongly (a 16x16 bf16 `tl.dot` is off by
 # ~1e10): the CPU check is float32 only.
-INTERPRETER_HALF_NOTE = ("skipped: Triton's interpreter computes bf16 tl.dot wrongly (CPU: float32 "
-                         "only)")
+INTERPRETER_HALF_NOTE = "Triton's interpreter computes bf16 tl.dot wrongly (CPU: float32 only)"
 FLA_MIN_HEADS_PER_GROUP = 16
 FLA_MAX_HEAD_DIM = 256
 
@@ -405,7 +405,7 @@ def run(args) -> list[dict[str, Any]]:
     try:
         fla_parallel = import_fla(first_configs=args.fla_configs == "first")
     except ImportError as exc:
-        note = f"skipped: fla not importable ({exc})"
+        note = f"fla not importable ({exc})"
         print(note, flush=True)
         return [dict(base, S=S, dtype=dtype, status=common.SKIPPED, note=note)
                 for dtype in args.dtypes for S in args.S]
@@ -470,7 +470,10 @@ def main(argv=None) -> int:
     with open(summary_path, "w") as f:
         f.write(text)
     print("\n" + text + f"wrote {csv_path}, {summary_path}")
-    return 0
+    failed = [r for r in records if str(r.get("verdict", "")).startswith("fail")]
+    if failed:
+        print(f"{len(failed)} comparisons outside the tolerance", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
