@@ -144,7 +144,8 @@ def make_inputs(cfg, B: int, S: int, dtype: str, seed: int) -> dict[str, Any]:
 
 
 def run_ours(inputs: dict, cfg, backend: str, precision: Optional[str]):
-    """Our core forward and backward: (o, {dq, dk, dv, dgate_logits}, block_idx [B, S, G, n_sel])."""
+    """Our core forward and backward:
+    (o, {dq, dk, dv, dgate_logits}, block_idx [B, S, G, n_sel])."""
     import jax
     import nsa_jax
 
