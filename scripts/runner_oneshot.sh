@@ -12,6 +12,8 @@
 #   sanity      python scripts/gpu_sanity.py
 #   parity_*    python -m parity --device gpu (XLA vs SDPA, then Pallas vs Triton/FA-2, bf16)
 #   pytest_gpu  python -m pytest -m gpu tests (the GPU test matrix) -> pytest_gpu.xml
+#   fla_agreement  bench/fla_agreement.py: our fla-configuration core and fla's parallel_nsa on
+#               the same inputs (outputs, gradients, selections) -> bench/fla_agreement.csv
 #   prefill     bench/bench_prefill.py at a short S list -> bench/prefill.{csv,png}
 #   decode      bench/bench_decode.py at a short S list -> bench/decode.{csv,png}
 #   showcase    examples/train_recall.py at a reduced size (T 1024, its own time budget) ->
@@ -41,6 +43,7 @@
 #                   e.g. "--preset paper" or "--dk 192 --dv 128", "--H 64 --G 4", "--l_sel 64")
 #   SHOWCASE_BUDGET_S, SHOWCASE_ARGS                       train_recall's budget and arguments
 #   PYTEST_ARGS     extra pytest arguments
+#   FLA_AGREEMENT_S, FLA_AGREEMENT_DTYPES, FLA_AGREEMENT_ARGS  fla_agreement settings
 set -u
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -67,7 +70,9 @@ DECODE_S=${DECODE_S:-16k}
 DECODE_B=${DECODE_B:-32}
 DECODE_ITERS=${DECODE_ITERS:-20}
 SHOWCASE_BUDGET_S=${SHOWCASE_BUDGET_S:-100}
-STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,prefill,decode,showcase,summaries}
+FLA_AGREEMENT_S=${FLA_AGREEMENT_S:-8k}
+FLA_AGREEMENT_DTYPES=${FLA_AGREEMENT_DTYPES:-bfloat16,float32}
+STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,fla_agreement,prefill,decode,showcase,summaries}
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -154,6 +159,14 @@ correctness_step parity_fast 150 "$PY" -m parity --device gpu --dtype bfloat16 \
 # shellcheck disable=SC2086
 correctness_step pytest_gpu 300 "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider \
   --junitxml="$ART/pytest_gpu.xml" ${PYTEST_ARGS:-}
+# A correctness check, not a timing (issue 12). fla's kernels run at their first Triton
+# configuration: autotuning them (some 80 configurations, each compiled, per dtype) would take
+# minutes and changes no figure beyond rounding; FLA_AGREEMENT_ARGS="--fla_configs autotune"
+# runs them as shipped.
+# shellcheck disable=SC2086
+correctness_step fla_agreement 240 "$PY" bench/fla_agreement.py --S_list "$FLA_AGREEMENT_S" \
+  --dtypes "$FLA_AGREEMENT_DTYPES" --fla_configs first --out "$ART/bench" \
+  ${FLA_AGREEMENT_ARGS:-}
 wait
 # shellcheck disable=SC2086
 run_step prefill 200 "$PY" bench/bench_prefill.py --S_list "$PREFILL_S" --rows "$PREFILL_ROWS" \
@@ -210,8 +223,8 @@ rm -f "$SUMMARY_TSV"
 
 echo
 cat "$ART/summary.txt"
-for table in "$ART/bench/prefill_summary.txt" "$ART/bench/decode_table.txt" \
-  "$ART/showcase/results.md"; do
+for table in "$ART/bench/fla_agreement_summary.txt" "$ART/bench/prefill_summary.txt" \
+  "$ART/bench/decode_table.txt" "$ART/showcase/results.md"; do
   [ -f "$table" ] && { echo; cat "$table"; }
 done
 
