@@ -519,19 +519,9 @@ def run_fla(args, S: int, row: str):
     except ImportError as exc:
         raise Skip(f"fla not importable ({exc})") from None
     cfg = fla_config(args.cfg)
-    impl = "fla.ops.nsa.parallel_nsa"
-    if fla_parallel.flash_attn_func is None:
-        # fla's window branch calls the flash_attn package, absent here: give it torch's own
-        # FA-2 kernel through nsa_torch_ref.fast.fa2 (same mask: causal, window_size = (w - 1, 0)).
-        from nsa_torch_ref.fast.fa2 import sliding_window_attention_fa2
+    from bench.fla_agreement import install_window_shim
 
-        def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
-            if not causal or window_size[1] != 0:
-                raise ValueError("this shim serves fla's causal sliding window only")
-            return sliding_window_attention_fa2(q, k, v, window_size[0] + 1)
-
-        fla_parallel.flash_attn_func = flash_attn_func
-        impl += " (window: torch FA-2 via nsa_torch_ref.fast.fa2)"
+    impl = f"fla.ops.nsa.parallel_nsa (window: {install_window_shim(fla_parallel)})"
 
     def nsa(q, k, v, gate_logits):
         gates = torch.sigmoid(gate_logits.float()).to(q.dtype)

@@ -175,7 +175,7 @@ def load_triton(device: str, interpreter_problem: Optional[str]) -> str:
     except ImportError as exc:
         raise Skip(f"triton not importable ({exc})") from None
     if device == "cpu" and not triton_selection._interpreted():
-        raise Skip("nsa_torch_ref.triton_selection was imported before TRITON_INTERPRET=1 was "
+        raise Skip("nsa_torch_ref.fast.triton_selection was imported before TRITON_INTERPRET=1 was "
                    "set: its kernels need CUDA")
     return "triton (interpreter)" if triton_selection._interpreted() else "triton"
 
@@ -193,7 +193,7 @@ def fa2_kernels_run() -> Iterator[list[str]]:
 
     missing = [name for name in FA2_KERNEL_CALLS if not hasattr(fa2, name)]
     if missing:
-        raise RuntimeError(f"nsa_torch_ref.fa2 has no {missing}: update FA2_KERNEL_CALLS")
+        raise RuntimeError(f"nsa_torch_ref.fast.fa2 has no {missing}: update FA2_KERNEL_CALLS")
     ran: list[str] = []
     originals = {}
     for name, label in FA2_KERNEL_CALLS.items():

@@ -194,11 +194,11 @@ def pin_first_configs(module_prefix: str = "fla") -> int:
 
 def install_window_shim(fla_parallel) -> str:
     """fla's window branch calls the flash_attn package; where it is missing, give it
-    nsa_torch_ref.fa2's sliding window (the same causal mask: window_size = (w - 1, 0) is
+    nsa_torch_ref.fast.fa2's sliding window (the same causal mask: window_size = (w - 1, 0) is
     keys t - w + 1 .. t). Returns a label of the window's implementation."""
     if fla_parallel.flash_attn_func is not None:
         return "flash_attn"
-    from nsa_torch_ref.fa2 import sliding_window_attention_fa2
+    from nsa_torch_ref.fast.fa2 import sliding_window_attention_fa2
 
     def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
         if not causal or window_size[1] != 0 or window_size[0] < 0:
@@ -206,7 +206,7 @@ def install_window_shim(fla_parallel) -> str:
         return sliding_window_attention_fa2(q, k, v, window_size[0] + 1)
 
     fla_parallel.flash_attn_func = flash_attn_func
-    return "nsa_torch_ref.fa2 shim"
+    return "torch FA-2 via nsa_torch_ref.fast.fa2"
 
 
 def import_fla(first_configs: bool = False):
