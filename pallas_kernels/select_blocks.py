@@ -101,14 +101,15 @@ class BlockSizes:
 
     Measured (H100, T 64k, H 64, G 4, d 128, bf16, `bench/breakdown_prefill.py --stages select`,
     bench/RESULTS.md): "rows" + "pallas" 26.9 ms; "heads" + "pallas" 12.6-14.1 ms (its top-n
-    kernel alone 2.6 ms); "heads" + "fused" 10.4 ms. 4 warps; 128 queries a tile with 8 warps
-    13.7 ms, 32 queries 18.4 ms, 16 selection blocks a step 18.5 ms.
+    kernel alone 2.6 ms); "heads" + "fused" 10.4 ms with 2 stages, 9.5 ms with 3 (the default).
+    4 warps; 128 queries a tile with 8 warps 11.7 ms, 32 queries 18.4 ms (with "pallas"),
+    16 selection blocks a step 18.5 ms (with "pallas"), 64 with 3 stages 26.1 ms.
     """
 
     block_q: int = 256
     block_sel: int = 32
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     topn: str = "fused"
     topn_elements: int = 4096
     num_warps_topn: int = 4
