@@ -746,23 +746,31 @@ def main(argv=None) -> int:
                 records += new
             else:
                 records += run_row(args, row)
+            write_outputs(args, records, env)
+    csv_path, table, title = write_outputs(args, records, env)
+    print(f"wrote {csv_path} and the plot, summary beside it")
+    print(title)
+    print(table)
+    return 0
+
+
+def write_outputs(args, records: list[dict], env: dict) -> tuple[str, str, str]:
+    """Write the CSV, the latest-figures CSV, the plot and the summary of `records` (called after
+    every row, so a run cut short keeps what it measured); returns the CSV path, table, title."""
+    records = [dict(r) for r in records]
     add_speedups(records, args.baseline)
     csv_path = os.path.join(args.out, "prefill.csv")
-    png_path = os.path.join(args.out, "prefill.png")
     common.write_csv(csv_path, records, COLUMNS)
     common.write_csv(os.path.join(args.out, "prefill_latest.csv"),
                      latest_rows(records, env["commit"]), LATEST_COLUMNS)
     cfg = args.cfg
     title = (f"NSA prefill: B={args.B} H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
              f"dv={cfg.d_v} {args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
-    plot(records, png_path, title)
+    plot(records, os.path.join(args.out, "prefill.png"), title)
     table = summary_table(records)
     with open(os.path.join(args.out, "prefill_summary.txt"), "w") as f:
         f.write(title + "\n\n" + table + "\n")
-    print(f"wrote {csv_path}, {png_path}")
-    print(title)
-    print(table)
-    return 0
+    return csv_path, table, title
 
 
 if __name__ == "__main__":
