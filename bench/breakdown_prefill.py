@@ -17,7 +17,8 @@ calls it, forward and forward+backward where the stage has a gradient:
   --variants "base;sel_xla:select.topn=xla;dkv_nt:cmp.dkv_transposed=False"
 where a variant is `name[:kernel.field=value,...]` with kernel one of `cmp` (compressed
 attention BlockSizes), `select` (select_blocks BlockSizes), `selected` (selected attention
-BlockSizes). Writes `breakdown.csv` and prints a table.
+BlockSizes), or `pallas` (a PallasOptions field, e.g. `kernel:pallas.compressed_cudnn=False`).
+Writes `breakdown.csv` and prints a table.
 
 Example (GPU): python bench/breakdown_prefill.py --S_list 8k,64k --out artifacts/breakdown
 CPU smoke:     python bench/breakdown_prefill.py --device cpu --preset tiny --dv 16 --S_list 64 \
@@ -56,9 +57,10 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
         for assignment in filter(None, (a.strip() for a in assignments.split(","))):
             key, _, value = assignment.partition("=")
             kernel, _, field = key.partition(".")
-            if kernel not in KERNELS or not field or not value:
+            if kernel not in (*KERNELS, "pallas") or not field or not value:
                 raise ValueError(f"--variants: {assignment!r} must be kernel.field=value with "
-                                 f"kernel in {sorted(KERNELS)}")
+                                 f"kernel in {sorted(KERNELS)} or pallas (a PallasOptions "
+                                 f"field)")
             fields.setdefault(kernel, {})[field] = _literal(value)
         variants.append((name, fields))
     if not variants:
@@ -82,8 +84,8 @@ def pallas_options(fields: dict[str, dict[str, Any]]):
     from nsa_jax import PallasOptions
 
     kwargs = {KERNELS[kernel][0]: importlib.import_module(KERNELS[kernel][1]).BlockSizes(**values)
-              for kernel, values in fields.items()}
-    return {"pallas": PallasOptions(**kwargs)}
+              for kernel, values in fields.items() if kernel != "pallas"}
+    return {"pallas": PallasOptions(**kwargs, **fields.get("pallas", {}))}
 
 
 def time_pass(fn: Callable, inputs: list[tuple], args, grad: bool) -> dict[str, Any]:

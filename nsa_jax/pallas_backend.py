@@ -21,6 +21,7 @@ from typing import Optional
 import jax
 
 from nsa_common import NSAConfig
+from nsa_jax.xla import cudnn
 from nsa_jax.xla.select_blocks import band_scores, top_blocks
 # Module objects, not the same-named functions `pallas_kernels/__init__` re-exports.
 cmp_kernel = importlib.import_module("pallas_kernels.compressed_attention")
@@ -37,6 +38,11 @@ class PallasOptions:
     backend is not a GPU", so the same code runs, slowly but exactly, on a CPU.
     *_blocks: each kernel's tile sizes (None: the kernel's defaults, tuned on an H200);
     decode_blocks: those of `decode_step(..., backend="pallas")`.
+    compressed_cudnn: run the compressed branch on cuDNN's fused attention where it takes the
+    shapes (a GPU, bf16 / fp16, d_v <= d_k): the queries folded in chunks of `d` turn its mask
+    into cuDNN's causal square (`nsa_jax.xla.cudnn`). On an H100 at 64k it is faster than the
+    Pallas kernel, forward and backward (bench/RESULTS.md). Its lse carries no gradient (the
+    layer's lse only feeds the selection); False runs the Pallas kernel, whose lse does.
     """
 
     interpret: Optional[bool] = None
@@ -44,6 +50,7 @@ class PallasOptions:
     select_blocks: Optional[select_kernel.BlockSizes] = None
     selected_blocks: Optional[sel_kernel.BlockSizes] = None
     decode_blocks: Optional[decode_kernel.DecodeBlockSizes] = None
+    compressed_cudnn: bool = True
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:
@@ -57,6 +64,13 @@ DEFAULT_OPTIONS = PallasOptions()
 def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
                          options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
+    if (options.compressed_cudnn and not options.resolve_interpret()
+            and cudnn.takes(q, k_cmp, v_cmp)):
+        try:
+            o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale)
+            return (o, lse) if return_lse else o
+        except (ValueError, NotImplementedError, RuntimeError):
+            pass  # cuDNN refuses the shapes (or T < l): the kernel takes them
     o, lse = cmp_kernel.compressed_attention(
         q, k_cmp, v_cmp, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale,
         block_sizes=options.compressed_blocks, interpret=options.resolve_interpret())

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from nsa_common import NSAConfig, cmp_block_end
 from nsa_jax.segments import Segments, single_sequence
+from nsa_jax.xla import cudnn
 from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
                                 merge_heads, split_heads)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
@@ -46,6 +47,12 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
     lse = -inf, with zero gradients.
     """
     options = options or DEFAULT_OPTIONS
+    if options.compressed_cudnn and segments is None and cudnn.takes(q, k_cmp, v_cmp):
+        try:
+            o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale)
+            return (o, lse) if return_lse else o
+        except (ValueError, NotImplementedError, RuntimeError):
+            pass  # cuDNN refuses the shapes (or T < l): the chunked path below is exact too
     B, T = q.shape[:2]
     if segments is None:
         segments = single_sequence(T, k_cmp.shape[1], cfg)

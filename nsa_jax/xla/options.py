@@ -17,7 +17,9 @@ class XlaOptions:
 
     `window_cudnn`: on a GPU, hand the window branch to `jax.nn.dot_product_attention(...,
     implementation="cudnn", local_window_size=(w - 1, 0))` when cuDNN can take the shapes
-    (bf16 / fp16, d_k == d_v, no packed sequences); otherwise the chunked banded path runs.
+    (bf16 / fp16, d_v <= d_k, no packed sequences); otherwise the chunked banded path runs.
+    `compressed_cudnn`: the same for the compressed branch, as cuDNN's causal attention over
+    the queries folded in chunks of `d` (`nsa_jax.xla.cudnn`); its lse carries no gradient.
     """
 
     compressed_q_chunk: int = 128
@@ -25,6 +27,7 @@ class XlaOptions:
     selected_q_chunk: int = 64
     window_q_chunk: int = 128
     window_cudnn: bool = True
+    compressed_cudnn: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

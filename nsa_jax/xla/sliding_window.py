@@ -8,13 +8,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from nsa_jax.segments import Segments
+from nsa_jax.xla import cudnn
 from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
                                 merge_heads, split_heads)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
-
-_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-_CUDNN_MAX_HEAD_DIM = 128         # every GPU cuDNN's flash attention supports
-_CUDNN_MAX_HEAD_DIM_SM90 = 256    # Hopper and later (the paper's d_k = 192)
 
 
 def window_chunk(q: jax.Array, k: jax.Array, v: jax.Array, key_token: jax.Array,
@@ -34,20 +31,9 @@ def window_chunk(q: jax.Array, k: jax.Array, v: jax.Array, key_token: jax.Array,
     return merge_heads(einsum("bqghk,bkgd->bqghd", p, v, dtype)).astype(q.dtype)
 
 
-def _cudnn_max_head_dim() -> int:
-    try:
-        major = int(str(jax.devices()[0].compute_capability).split(".")[0])
-    except (AttributeError, ValueError, IndexError):
-        return _CUDNN_MAX_HEAD_DIM
-    return _CUDNN_MAX_HEAD_DIM_SM90 if major >= 9 else _CUDNN_MAX_HEAD_DIM
-
-
 def _cudnn_applies(q, k, v, segments, options) -> bool:
     """cuDNN takes one head size for q, k and v: d_v < d_k goes in with v zero-padded."""
-    return (options.window_cudnn and segments is None and jax.default_backend() == "gpu"
-            and q.dtype in _CUDNN_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and v.shape[-1] <= q.shape[-1] and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= _cudnn_max_head_dim())
+    return options.window_cudnn and segments is None and cudnn.takes(q, k, v)
 
 
 def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int,
@@ -62,12 +48,10 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window
     options = options or DEFAULT_OPTIONS
     B, T = q.shape[:2]
     if _cudnn_applies(q, k, v, segments, options):
-        d_v = v.shape[-1]
-        v_in = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - d_v)]) if d_v < q.shape[-1] else v
         try:
             return jax.nn.dot_product_attention(
-                q, k, v_in, scale=scale, is_causal=True, local_window_size=(window - 1, 0),
-                implementation="cudnn")[..., :d_v]
+                q, k, cudnn.pad_v(v, q.shape[-1]), scale=scale, is_causal=True,
+                local_window_size=(window - 1, 0), implementation="cudnn")[..., :v.shape[-1]]
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # this cuDNN build refuses the shapes: the banded path below is exact too
     # A window longer than the sequence is the causal mask: shrink it to keep the band small.

@@ -1,0 +1,87 @@
+"""cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`) for the
+branches whose mask it can express: the sliding window (its `local_window_size`) and the
+compressed branch, whose mask becomes cuDNN's causal square after a reshape of the queries.
+
+Compressed branch (spec step 5): query `t` may attend compressed blocks `0 .. n(t) - 1` with
+`n(t) = (t - l + 1) // d + 1`. Cut the queries from `t = l - 1` on into chunks of `d`: every
+query of chunk `c` (tokens `l - 1 + c*d + r`, `r < d`) attends exactly the blocks `0 .. c`. So
+with the chunk's `d` tokens folded into the head axis, `q` becomes `[B, C, G * d * h, d_k]`
+against the `C` compressed keys `[B, C, G, d_k]`, and the mask is the causal one of a `C x C`
+square (GQA: each KV head serves `d * h` query "heads"). The queries `t < l - 1` see no block:
+`o = 0`, `lse = -inf`, as the kernels give.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from nsa_common import NSAConfig, num_cmp_blocks
+
+CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_MAX_HEAD_DIM = 128         # every GPU cuDNN's flash attention supports
+_MAX_HEAD_DIM_SM90 = 256    # Hopper and later (the paper's d_k = 192)
+
+
+def max_head_dim() -> int:
+    try:
+        major = int(str(jax.devices()[0].compute_capability).split(".")[0])
+    except (AttributeError, ValueError, IndexError):
+        return _MAX_HEAD_DIM
+    return _MAX_HEAD_DIM_SM90 if major >= 9 else _MAX_HEAD_DIM
+
+
+def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether cuDNN's flash attention can take these arrays on this machine: a GPU, bf16 /
+    fp16 throughout, one head size (`d_v < d_k` goes in with v zero-padded), a multiple of 8."""
+    return (jax.default_backend() == "gpu" and q.dtype in CUDNN_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= max_head_dim())
+
+
+def pad_v(v: jax.Array, d_k: int) -> jax.Array:
+    d_v = v.shape[-1]
+    return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, d_k - d_v)]) if d_v < d_k else v
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float):
+    """cuDNN's causal attention, q `[B, S, N, d]`, k / v `[B, S, N_kv, d]` -> (o, lse `[B, S, N]`)."""
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation="cudnn", return_residual=True)
+
+
+def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig, *,
+                         scale: float, attend=causal_attention):
+    """q `[B, T, H, d_k]`, k_cmp `[B, C, G, d_k]`, v_cmp `[B, C, G, d_v]` ->
+    (o_cmp `[B, T, H, d_v]` in q's dtype, lse `[B, T, H]` float32 or wider).
+
+    The caller checks `takes(q, k_cmp, v_cmp)`. `lse` carries no gradient (it feeds the
+    selection, whose block indices have none); the Pallas kernel's does, for callers that need it.
+    Raises NotImplementedError where the reshape does not apply (fewer than `C(T)` blocks).
+    `attend` is the causal attention run on the folded arrays (tests pass a float64 one).
+    """
+    B, T, H, d_k = q.shape
+    G, d_v = k_cmp.shape[2], v_cmp.shape[-1]
+    h, l, d = H // G, cfg.cmp_block, cfg.cmp_stride
+    n = num_cmp_blocks(cfg, T)
+    if n == 0 or k_cmp.shape[1] < n:
+        raise NotImplementedError(f"the cuDNN compressed path needs the {n} compressed blocks "
+                                  f"of T = {T} (got {k_cmp.shape[1]})")
+    rows = T - (l - 1)                                   # queries that see at least block 0
+    q_rows = jnp.pad(q[:, l - 1:], [(0, 0), (0, n * d - rows), (0, 0), (0, 0)])
+    # [B, n, d, G, h, d_k] -> [B, n, G, d, h, d_k]: the heads of KV group g stay contiguous.
+    q_sq = q_rows.reshape(B, n, d, G, h, d_k).transpose(0, 1, 3, 2, 4, 5)
+    o, lse = attend(q_sq.reshape(B, n, G * d * h, d_k), k_cmp[:, :n], pad_v(v_cmp[:, :n], d_k),
+                    scale)
+
+    def unfold(x):  # [B, n, G * d * h, *rest] -> [B, rows, H, *rest]
+        rest = x.shape[3:]
+        x = x.reshape(B, n, G, d, h, *rest)
+        x = x.transpose(0, 1, 3, 2, 4, *range(5, 5 + len(rest)))
+        return x.reshape(B, n * d, H, *rest)[:, :rows]
+
+    o = unfold(o[..., :d_v])
+    lse = lax.stop_gradient(unfold(lse.astype(jnp.promote_types(lse.dtype, jnp.float32))))
+    o = jnp.pad(o, [(0, 0), (l - 1, 0), (0, 0), (0, 0)])
+    lse = jnp.pad(lse, [(0, 0), (l - 1, 0), (0, 0)], constant_values=-jnp.inf)
+    return o.astype(q.dtype), lse

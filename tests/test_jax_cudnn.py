@@ -1,0 +1,123 @@
+"""The cuDNN compressed path (`nsa_jax.xla.cudnn`): the compressed mask folded into a causal square.
+
+On a CPU the fold runs with a float64 causal attention in place of cuDNN's, against the float64
+brute force and the chunked XLA path (its lse); on a GPU, cuDNN itself against the Pallas kernel.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bruteforce import bf_compressed_attention
+from conftest import jax_has_gpu
+from nsa_common import NSAConfig, num_cmp_blocks
+from nsa_jax import XlaOptions
+from nsa_jax.xla import cudnn
+from nsa_jax.xla.compressed_attention import compressed_attention as xla_compressed_attention
+
+
+def causal_f64(q, k, v, scale):
+    """Plain causal GQA attention, q `[B, S, N, d]`, k / v `[B, S, N_kv, d]` -> (o, lse)."""
+    B, S, N, _ = q.shape
+    group = N // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k) * scale
+    s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    o = jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v)
+    return o, jnp.transpose(lse, (0, 2, 1))
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
+
+
+def inputs(key, B, T, H, G, d_k, d_v, cfg, dtype):
+    C = num_cmp_blocks(cfg, T)
+    kq, kk, kv = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (B, T, H, d_k), dtype),
+            jax.random.normal(kk, (B, C, G, d_k), dtype),
+            jax.random.normal(kv, (B, C, G, d_v), dtype))
+
+
+@pytest.mark.parametrize("T,l,d,d_v", [(64, 8, 4, 8), (61, 8, 4, 8), (50, 16, 8, 4), (33, 4, 4, 8),
+                                       (32, 32, 16, 8)])
+def test_fold_matches_brute_force(x64, T, l, d, d_v):
+    """Output against the brute force and lse against the chunked path, every (l, d), T not a
+    multiple of d, d_v < d_k, and one block only (T = l); the queries t < l - 1 give 0 / -inf."""
+    cfg = NSAConfig.tiny().replace(cmp_block=l, cmp_stride=d, sel_block=64)
+    B, H, G, d_k = 2, 4, 2, 8
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(T), B, T, H, G, d_k, d_v, cfg, jnp.float64)
+    scale = d_k ** -0.5
+    o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, attend=causal_f64)
+    o_bf, _ = bf_compressed_attention(np.asarray(q), np.asarray(k_cmp), np.asarray(v_cmp), cfg,
+                                      scale)
+    _, lse_ref = xla_compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True,
+                                          options=XlaOptions(compressed_cudnn=False))
+    assert o.shape == (B, T, H, d_v) and lse.shape == (B, T, H)
+    assert rel(o, o_bf) <= 1e-12
+    assert np.all(np.isneginf(lse[:, :l - 1])) and np.all(np.isfinite(lse[:, l - 1:]))
+    assert rel(lse[:, l - 1:], lse_ref[:, l - 1:]) <= 1e-12
+
+
+def test_fold_gradients_match_chunked_path(x64):
+    cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(1), 1, 45, 4, 2, 8, 8, cfg, jnp.float64)
+    do = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float64)
+
+    def grads(fn):
+        return jax.vjp(fn, q, k_cmp, v_cmp)[1](do)
+
+    got = grads(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=0.3,
+                                                            attend=causal_f64)[0])
+    want = grads(lambda q, k, v: xla_compressed_attention(
+        q, k, v, cfg, scale=0.3, options=XlaOptions(compressed_cudnn=False)))
+    for g, w in zip(got, want):
+        assert rel(g, w) <= 1e-12
+
+
+def test_fold_refuses_missing_blocks():
+    cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(0), 1, 32, 4, 2, 8, 8, cfg, jnp.float32)
+    with pytest.raises(NotImplementedError, match="compressed blocks"):
+        cudnn.compressed_attention(q, k_cmp[:, :-1], v_cmp[:, :-1], cfg, scale=1.0,
+                                   attend=causal_f64)
+    with pytest.raises(NotImplementedError, match="compressed blocks"):  # T < l: no block
+        cudnn.compressed_attention(q[:, :7], k_cmp[:, :0], v_cmp[:, :0], cfg, scale=1.0,
+                                   attend=causal_f64)
+
+
+def test_cpu_never_takes_cudnn():
+    x = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    assert cudnn.takes(x, x, x) == (jax.default_backend() == "gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("d_k,d_v", [(128, 128), (192, 128)])
+def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
+    """cuDNN (folded) against the Pallas kernel on the layer's shapes, o / lse / gradients, bf16."""
+    import pallas_kernels.compressed_attention as kernel
+
+    cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
+    B, T, H, G = 1, 4096, 16, 2
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(5), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    assert cudnn.takes(q, k_cmp, v_cmp)
+    do = jax.random.normal(jax.random.PRNGKey(6), (B, T, H, d_v), jnp.bfloat16)
+    scale = d_k ** -0.5
+
+    def run(fn):
+        (o, lse), pullback = jax.vjp(lambda q, k, v: fn(q, k, v), q, k_cmp, v_cmp)
+        return (o, lse, *pullback((do, jnp.zeros_like(lse))))
+
+    got = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale))
+    want = run(lambda q, k, v: kernel.compressed_attention(
+        q, k, v, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale))
+    l = cfg.cmp_block
+    assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
+    got = (got[0], got[1][:, l - 1:], *got[2:])
+    want = (want[0], want[1][:, l - 1:], *want[2:])
+    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert g.shape == w.shape, name
+        assert rel(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
