@@ -50,7 +50,15 @@ def test_fold_matches_brute_force(x64, T, l, d, d_v):
     B, H, G, d_k = 2, 4, 2, 8
     q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(T), B, T, H, G, d_k, d_v, cfg, jnp.float64)
     scale = d_k ** -0.5
-    o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, attend=causal_f64)
+    seen = []
+
+    def attend(q_sq, k_sq, v_sq, scale):  # cuDNN's backward takes even lengths only
+        seen.append((q_sq.shape[1], k_sq.shape[1]))
+        return causal_f64(q_sq, k_sq, v_sq, scale)
+
+    o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, attend=attend)
+    n = num_cmp_blocks(cfg, T)
+    assert seen == [(n + n % 2, n + n % 2)]
     o_bf, _ = bf_compressed_attention(np.asarray(q), np.asarray(k_cmp), np.asarray(v_cmp), cfg,
                                       scale)
     _, lse_ref = xla_compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True,

@@ -68,17 +68,21 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
         raise NotImplementedError(f"the cuDNN compressed path needs the {n} compressed blocks "
                                   f"of T = {T} (got {k_cmp.shape[1]})")
     rows = T - (l - 1)                                   # queries that see at least block 0
-    q_rows = jnp.pad(q[:, l - 1:], [(0, 0), (0, n * d - rows), (0, 0), (0, 0)])
-    # [B, n, d, G, h, d_k] -> [B, n, G, d, h, d_k]: the heads of KV group g stay contiguous.
-    q_sq = q_rows.reshape(B, n, d, G, h, d_k).transpose(0, 1, 3, 2, 4, 5)
-    o, lse = attend(q_sq.reshape(B, n, G * d * h, d_k), k_cmp[:, :n], pad_v(v_cmp[:, :n], d_k),
-                    scale)
+    # cuDNN's backward takes even sequence lengths only: one more chunk and block when n is odd.
+    # Rows c < n see blocks <= c < n only, and the extra row's output (cut) has no cotangent.
+    n_sq = n + n % 2
+    q_rows = jnp.pad(q[:, l - 1:], [(0, 0), (0, n_sq * d - rows), (0, 0), (0, 0)])
+    # [B, n_sq, d, G, h, d_k] -> [B, n_sq, G, d, h, d_k]: the heads of KV group g stay together.
+    q_sq = q_rows.reshape(B, n_sq, d, G, h, d_k).transpose(0, 1, 3, 2, 4, 5)
+    blocks = [(0, 0), (0, n_sq - n), (0, 0), (0, 0)]
+    o, lse = attend(q_sq.reshape(B, n_sq, G * d * h, d_k), jnp.pad(k_cmp[:, :n], blocks),
+                    jnp.pad(pad_v(v_cmp[:, :n], d_k), blocks), scale)
 
-    def unfold(x):  # [B, n, G * d * h, *rest] -> [B, rows, H, *rest]
+    def unfold(x):  # [B, n_sq, G * d * h, *rest] -> [B, rows, H, *rest]
         rest = x.shape[3:]
-        x = x.reshape(B, n, G, d, h, *rest)
+        x = x.reshape(B, n_sq, G, d, h, *rest)
         x = x.transpose(0, 1, 3, 2, 4, *range(5, 5 + len(rest)))
-        return x.reshape(B, n * d, H, *rest)[:, :rows]
+        return x.reshape(B, n_sq * d, H, *rest)[:, :rows]
 
     o = unfold(o[..., :d_v])
     lse = lax.stop_gradient(unfold(lse.astype(jnp.promote_types(lse.dtype, jnp.float32))))
