@@ -12,7 +12,7 @@ imported only when first called.
 from nsa_common import NSAConfig
 from nsa_torch_ref import dispatch
 from nsa_torch_ref.decode import NSACache, decode_step, init_cache, prefill
-from nsa_torch_ref.module import NSAAttention, nsa_forward
+from nsa_torch_ref.module import NSAAttention, native_sparse_attention, nsa_forward
 from nsa_torch_ref.reference import (
     apply_rope,
     compress_kv,
@@ -35,6 +35,7 @@ __all__ = [
     "decode_step",
     "dispatch",
     "init_cache",
+    "native_sparse_attention",
     "nsa_forward",
     "prefill",
     "select_blocks",

@@ -15,7 +15,10 @@ A backend has the kernel-level signature of its branch (docs/DESIGN.md):
 
 "sdpa", the reference path of `reference.py`, is registered for every branch here and is the
 default; `nsa_torch_ref.fast` registers "triton", "fa2" and "auto" (docs/TORCH_RUNTIME.md).
-`compress_kv` and `select_blocks` have a single implementation (`reference.py`), called directly.
+The layer's two steps around the branches, `compress_kv` (fn(k, cmp_params, cfg) -> [B, C, G, d])
+and `select_blocks` (fn(q, k_cmp, cfg) -> block_idx int32 [B, T, G, n_sel]), are entries of the
+same table (`STAGES`), so the layer reaches every piece of work through here; "sdpa" (the
+reference) is their one backend today.
 """
 from __future__ import annotations
 
@@ -25,11 +28,13 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 from nsa_torch_ref import reference
 
 BRANCHES = ("compressed_attention", "selected_attention", "sliding_window_attention")
+STAGES = ("compress_kv", "select_blocks")
+ENTRIES = BRANCHES + STAGES
 DEFAULT_BACKEND = "sdpa"
 
 Backend = Union[str, Sequence[str]]  # one name, or names tried in order
 
-_TABLE: dict[str, dict[str, Callable]] = {branch: {} for branch in BRANCHES}
+_TABLE: dict[str, dict[str, Callable]] = {entry: {} for entry in ENTRIES}
 
 
 class Unsupported(NotImplementedError, ValueError):
@@ -44,7 +49,7 @@ class NoBackendError(NotImplementedError, ValueError):
 
 def _check_branch(branch: str) -> None:
     if branch not in _TABLE:
-        raise ValueError(f"branch ({branch!r}) must be one of {list(BRANCHES)}")
+        raise ValueError(f"branch ({branch!r}) must be one of {list(ENTRIES)}")
 
 
 def register(branch: str, name: str, fn: Callable) -> None:
@@ -103,17 +108,19 @@ def call(branch: str, backend: Backend, *args,
 
 
 def resolve_all(backends: Optional[Mapping[str, Backend]] = None) -> dict[str, Callable]:
-    """{branch: function running `call` on that branch's choice} for a `{branch: backend}`
-    mapping; a missing branch uses "sdpa"."""
+    """{entry: function running `call` on that entry's choice} for a `{entry: backend}`
+    mapping over the branches and stages (`ENTRIES`); a missing entry uses "sdpa"."""
     backends = dict(backends or {})
-    unknown = sorted(set(backends) - set(BRANCHES))
+    unknown = sorted(set(backends) - set(ENTRIES))
     if unknown:
-        raise ValueError(f"backends has unknown branches {unknown}; branches are {list(BRANCHES)}")
-    return {branch: partial(call, branch, backend_names(branch, backends.get(branch,
-                                                                             DEFAULT_BACKEND)))
-            for branch in BRANCHES}
+        raise ValueError(f"backends has unknown branches {unknown}; branches are {list(ENTRIES)}")
+    return {entry: partial(call, entry, backend_names(entry, backends.get(entry,
+                                                                          DEFAULT_BACKEND)))
+            for entry in ENTRIES}
 
 
 register("compressed_attention", DEFAULT_BACKEND, reference.compressed_attention)
 register("selected_attention", DEFAULT_BACKEND, reference.selected_attention)
 register("sliding_window_attention", DEFAULT_BACKEND, reference.sliding_window_attention)
+register("compress_kv", DEFAULT_BACKEND, reference.compress_kv)
+register("select_blocks", DEFAULT_BACKEND, reference.select_blocks)

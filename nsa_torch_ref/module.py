@@ -2,9 +2,11 @@
 
 The work is done by functions on a parameter tree (`params["wk"]["cmp"]`, the same nesting as
 the JAX pytree; `nest_params` / `flatten_params` convert from / to the module's dotted names):
-`project`, `compress_branch_kv`, `combine` and `nsa_forward`. The module holds the parameters,
-validates its inputs, loops over packed sequences and runs the branch kernels through
-`dispatch`. `decode.py` reuses `project`, `compress_branch_kv` and `combine`.
+`project`, `compress_branch_kv`, `native_sparse_attention` (the attention core on projected
+tensors, as `nsa_jax.native_sparse_attention`), `combine` and `nsa_forward`. The module holds the
+parameters, validates its inputs and loops over packed sequences; every piece of work between the
+projections and the gates (compression, selection, the three branches) runs through `dispatch`.
+`decode.py` reuses `project`, `compress_branch_kv` and `combine`.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from nsa_common import NSAConfig
 from nsa_torch_ref import dispatch
-from nsa_torch_ref.reference import apply_rope, check_cu_seqlens, compress_kv, select_blocks
+from nsa_torch_ref.reference import apply_rope, check_cu_seqlens
 
 KV_BRANCHES = ("cmp", "sel", "win")
 AUX_KEYS = ("o_cmp", "o_sel", "o_win", "gates", "block_idx")
@@ -72,11 +74,57 @@ def project(params: Params, x: torch.Tensor, cfg: NSAConfig, positions: torch.Te
     return q, k, v
 
 
-def compress_branch_kv(params: Params, k: torch.Tensor, v: torch.Tensor, cfg: NSAConfig):
-    """Compressed keys/values of the cmp branch (spec step 4): [B, T, G, d] -> [B, C, G, d]."""
+def compress_branch_kv(params: Params, k: torch.Tensor, v: torch.Tensor, cfg: NSAConfig,
+                       kernels: Optional[Mapping[str, Callable]] = None):
+    """Compressed keys/values of the cmp branch (spec step 4): [B, T, G, d] -> [B, C, G, d].
+
+    params: holds `cmp_k` / `cmp_v` with compress="mlp" (any mapping, e.g. the core's
+    `cmp_params`); kernels: as from `dispatch.resolve_all` (default: all "sdpa")."""
+    compress = (kernels or dispatch.resolve_all())["compress_kv"]
     mlp = cfg.compress == "mlp"
-    return (compress_kv(k, params["cmp_k"] if mlp else None, cfg),
-            compress_kv(v, params["cmp_v"] if mlp else None, cfg))
+    return (compress(k, params["cmp_k"] if mlp else None, cfg),
+            compress(v, params["cmp_v"] if mlp else None, cfg))
+
+
+def gate_sum(gates: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor,
+             o_win: torch.Tensor) -> torch.Tensor:
+    """sum_c gates[..., c] * o_c (spec step 9); gates [B, T, H, 3], o_* [B, T, H, d_v]. The
+    `c:c+1` slices broadcast the same way for T = 1 (decode)."""
+    return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
+
+
+def native_sparse_attention(q: torch.Tensor, k, v, gates: torch.Tensor, cfg: NSAConfig, *,
+                            cmp_params: Optional[Params] = None, gates_are_logits: bool = False,
+                            kernels: Optional[Mapping[str, Callable]] = None,
+                            return_aux: bool = False):
+    """NSA attention on projected (and already RoPE'd) tensors: `o = sum_c gates[..., c] * o_c`
+    (spec steps 4-9; the counterpart of `nsa_jax.native_sparse_attention`, one unpacked problem
+    at positions 0..T-1).
+
+    q: [B, T, H, d_k]; k, v: [B, T, G, d_k] / [B, T, G, d_v] shared by the branches, or dicts
+    {"cmp", "sel", "win"} of such tensors; gates: [B, T, H, 3] (cmp, sel, win) in [0, 1], or
+    logits with `gates_are_logits`; cmp_params: {"cmp_k": {...}, "cmp_v": {...}} with
+    compress="mlp"; kernels: as from `dispatch.resolve_all` (default: all "sdpa").
+    -> o [B, T, H, d_v] (and, with return_aux, dict(o_cmp, o_sel, o_win, gates, block_idx,
+    k_cmp, v_cmp)).
+    """
+    kernels = kernels if kernels is not None else dispatch.resolve_all()
+    k = k if isinstance(k, Mapping) else {c: k for c in KV_BRANCHES}
+    v = v if isinstance(v, Mapping) else {c: v for c in KV_BRANCHES}
+    if cfg.compress == "mlp" and cmp_params is None:
+        raise ValueError('cmp_params ({"cmp_k": ..., "cmp_v": ...}) is needed with '
+                         'compress="mlp"')
+    k_cmp, v_cmp = compress_branch_kv(cmp_params or {}, k["cmp"], v["cmp"], cfg, kernels)
+    o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
+    block_idx = kernels["select_blocks"](q, k_cmp, cfg)
+    o_sel = kernels["selected_attention"](q, k["sel"], v["sel"], block_idx, cfg.sel_block)
+    o_win = kernels["sliding_window_attention"](q, k["win"], v["win"], cfg.window)
+    gates = torch.sigmoid(gates) if gates_are_logits else gates
+    o = gate_sum(gates, o_cmp, o_sel, o_win)
+    if not return_aux:
+        return o
+    return o, dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx,
+                   k_cmp=k_cmp, v_cmp=v_cmp)
 
 
 def combine(params: Params, x: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor,
@@ -84,12 +132,22 @@ def combine(params: Params, x: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.T
     """Gates and output projection (spec steps 9-10).
 
     x: [B, T, d_model]; o_*: [B, T, H, d_v]. Returns y [B, T, d_model] and gates [B, T, H, 3]
-    (cmp, sel, win). The `c:c+1` slices broadcast the same way for T = 1 (decode).
+    (cmp, sel, win).
     """
+    gates = gate_values(params, x, cfg)
+    return output(params, gate_sum(gates, o_cmp, o_sel, o_win), cfg), gates
+
+
+def gate_values(params: Params, x: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """The gates (spec step 9): x [B, T, d_model] -> [B, T, H, 3] in [0, 1] (cmp, sel, win)."""
     B, T, _ = x.shape
-    gates = torch.sigmoid(x @ params["wg"] + params["bg"]).reshape(B, T, cfg.n_heads, 3)
-    o = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
-    return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ params["wo"], gates
+    return torch.sigmoid(x @ params["wg"] + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+
+
+def output(params: Params, o: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """The output projection (spec step 10): o [B, T, H, d_v] -> [B, T, d_model]."""
+    B, T = o.shape[:2]
+    return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ params["wo"]
 
 
 def nsa_forward(params: Params, x: torch.Tensor, cfg: NSAConfig,
@@ -101,18 +159,13 @@ def nsa_forward(params: Params, x: torch.Tensor, cfg: NSAConfig,
     gates [B, T, H, 3] and block_idx int32 [B, T, G, n_sel]; kv holds what a decode cache needs
     (k, v dicts per branch [B, T, G, d] and k_cmp, v_cmp [B, C, G, d]).
     """
-    kernels = kernels if kernels is not None else dispatch.resolve_all()
     positions = torch.arange(x.shape[1], device=x.device)
     q, k, v = project(params, x, cfg, positions)
-    k_cmp, v_cmp = compress_branch_kv(params, k["cmp"], v["cmp"], cfg)
-    o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
-    block_idx = select_blocks(q, k_cmp, cfg)
-    o_sel = kernels["selected_attention"](q, k["sel"], v["sel"], block_idx, cfg.sel_block)
-    o_win = kernels["sliding_window_attention"](q, k["win"], v["win"], cfg.window)
-    y, gates = combine(params, x, o_cmp, o_sel, o_win, cfg)
-    aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
-    kv = dict(k=k, v=v, k_cmp=k_cmp, v_cmp=v_cmp)
-    return y, aux, kv
+    o, core = native_sparse_attention(q, k, v, gate_values(params, x, cfg), cfg,
+                                      cmp_params=params, kernels=kernels, return_aux=True)
+    aux = {key: core[key] for key in AUX_KEYS}
+    kv = dict(k=k, v=v, k_cmp=core["k_cmp"], v_cmp=core["v_cmp"])
+    return output(params, o, cfg), aux, kv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +195,8 @@ class NSAAttention(nn.Module):
     `cmp_k.{pos,w1,b1,w2,b2}` / `cmp_v.*` (compress="mlp" only), `wg [d_model, H*3]`, `bg [H*3]`,
     `wo [H*d_v, d_model]`.
 
-    backends: {branch: backend} for the branches of `dispatch.BRANCHES`, a backend being one
-    name or names tried in order (`("triton", "sdpa")`); default "sdpa".
+    backends: {branch: backend} for the branches (and stages) of `dispatch.ENTRIES`, a backend
+    being one name or names tried in order (`("triton", "sdpa")`); default "sdpa".
     """
 
     def __init__(self, cfg: NSAConfig, backends: Optional[Mapping[str, str]] = None, *,
@@ -154,7 +207,7 @@ class NSAAttention(nn.Module):
         self.cfg = cfg
         dispatch.resolve_all(backends)  # unknown branch or backend fails here, not mid-forward
         self.backends = {b: dispatch.backend_names(b, dict(backends or {}).get(
-            b, dispatch.DEFAULT_BACKEND)) for b in dispatch.BRANCHES}
+            b, dispatch.DEFAULT_BACKEND)) for b in dispatch.ENTRIES}
         factory = dict(device=device, dtype=dtype)
         D, H, G = cfg.d_model, cfg.n_heads, cfg.n_kv_heads
         kv_names = ("shared",) if cfg.shared_kv else KV_BRANCHES

@@ -149,8 +149,9 @@ class _Runner:
         proj = jax_project(self.params, x_j, cfg, positions)
         tp = {name: jax_to_torch(value, self.torch_device) for name, value in proj.items()}
         params_t = self.module.param_tree()
+        kernels = nsa_torch_ref.dispatch.resolve_all(self.module.backends)
         with torch.no_grad():
-            k_cmp_t, v_cmp_t = torch_compress(params_t, tp["k_cmp"], tp["v_cmp"], cfg)
+            k_cmp_t, v_cmp_t = torch_compress(params_t, tp["k_cmp"], tp["v_cmp"], cfg, kernels)
         mlp = cfg.compress == "mlp"
         k_cmp_j = nsa_jax.compress_kv(proj["k_cmp"], self.params["cmp_k"] if mlp else None, cfg)
         v_cmp_j = nsa_jax.compress_kv(proj["v_cmp"], self.params["cmp_v"] if mlp else None, cfg)
@@ -160,10 +161,9 @@ class _Runner:
         k_cmp_shared, v_cmp_shared = (torch_to_jax(k_cmp_t, self.jax_device),
                                       torch_to_jax(v_cmp_t, self.jax_device))
         backend = self.jax_backend
-        kernels = nsa_torch_ref.dispatch.resolve_all(self.module.backends)
         with torch.no_grad():
             o_cmp_t = kernels["compressed_attention"](tp["q"], k_cmp_t, v_cmp_t, cfg)
-            block_idx_t = nsa_torch_ref.select_blocks(tp["q"], k_cmp_t, cfg)
+            block_idx_t = kernels["select_blocks"](tp["q"], k_cmp_t, cfg)
             o_sel_t = kernels["selected_attention"](tp["q"], tp["k_sel"], tp["v_sel"],
                                                     block_idx_t, cfg.sel_block)
             o_win_t = kernels["sliding_window_attention"](tp["q"], tp["k_win"], tp["v_win"],

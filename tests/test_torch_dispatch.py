@@ -115,3 +115,56 @@ def test_auto_falls_back_to_the_reference_and_logs_it(scratch, caplog):
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "selected_attention -> triton" in messages
     assert "triton refused the call (q dtype torch.float32)" in messages
+
+
+def test_the_layer_selects_and_compresses_through_the_dispatch(scratch):
+    """`select_blocks` and `compress_kv` are dispatch entries: a backend registered for them is
+    the one the layer runs (here one that keeps only the forced blocks changes o_sel, and one
+    that refuses falls through to the reference)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, CFG.d_model)
+    plain = NSAAttention(CFG)
+    _, aux = plain(x, return_aux=True)
+
+    def forced_only(q, k_cmp, cfg):
+        block_idx = reference.select_blocks(q, k_cmp, cfg)
+        return torch.where(block_idx == 0, block_idx, torch.full_like(block_idx, -1))
+
+    dispatch.register("select_blocks", "forced_only", forced_only)
+    dispatch.register("compress_kv", "picky", refusing("takes float16 only"))
+    layer = NSAAttention(CFG, backends={"select_blocks": "forced_only",
+                                        "compress_kv": ("picky", "sdpa")})
+    layer.load_state_dict(plain.state_dict())
+    _, aux_forced = layer(x, return_aux=True)
+    assert torch.equal(aux_forced["o_cmp"], aux["o_cmp"])
+    assert torch.equal(aux_forced["o_win"], aux["o_win"])
+    assert torch.equal(aux_forced["block_idx"], torch.where(
+        aux["block_idx"] == 0, aux["block_idx"], torch.full_like(aux["block_idx"], -1)))
+    assert not torch.allclose(aux_forced["o_sel"], aux["o_sel"])
+    with pytest.raises(ValueError, match="unknown backend 'nope' for 'select_blocks'"):
+        NSAAttention(CFG, backends={"select_blocks": "nope"})
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_core_is_the_layer_between_projections_and_output(shared):
+    """`native_sparse_attention` on the layer's projections and gates gives the layer's output
+    before `wo` (and its aux), with per-branch dicts or one shared K/V."""
+    from nsa_torch_ref.module import gate_values, native_sparse_attention, project
+    cfg = NSAConfig.tiny(shared_kv=shared) if shared else CFG
+    torch.manual_seed(1)
+    layer = NSAAttention(cfg).double()
+    x = torch.randn(2, 37, cfg.d_model, dtype=torch.float64)
+    y, aux = layer(x, return_aux=True)
+    params = layer.param_tree()
+    q, k, v = project(params, x, cfg, torch.arange(37))
+    logits = (x @ params["wg"] + params["bg"]).reshape(2, 37, cfg.n_heads, 3)
+    kv = (k["sel"], v["sel"]) if shared else (k, v)
+    o, core = native_sparse_attention(q, *kv, logits, cfg, cmp_params=params,
+                                      gates_are_logits=True, return_aux=True)
+    assert torch.equal(core["gates"], gate_values(params, x, cfg))
+    for key in ("o_cmp", "o_sel", "o_win", "block_idx"):
+        assert torch.equal(core[key], aux[key]), key
+    torch.testing.assert_close(o.reshape(2, 37, -1) @ params["wo"], y, rtol=0, atol=1e-12)
+    if cfg.compress == "mlp":
+        with pytest.raises(ValueError, match="cmp_params"):
+            native_sparse_attention(q, *kv, logits, cfg)

@@ -227,13 +227,14 @@ def scratch_dispatch(monkeypatch):
 
 
 def test_dispatch_defaults_and_unknown_names():
-    for branch in dispatch.BRANCHES:
-        assert "sdpa" in dispatch.available(branch)
+    for entry in dispatch.ENTRIES:
+        assert "sdpa" in dispatch.available(entry)
     assert dispatch.resolve("selected_attention", "sdpa") is reference.selected_attention
+    assert dispatch.resolve("select_blocks", "sdpa") is reference.select_blocks
     with pytest.raises(ValueError, match=r"unknown backend 'nope'.*known backends: \[.*'sdpa'"):
         dispatch.resolve("selected_attention", "nope")
     with pytest.raises(ValueError, match="branch"):
-        dispatch.resolve("select_blocks", "sdpa")
+        dispatch.resolve("selection", "sdpa")
     with pytest.raises(ValueError, match="nope"):
         NSAAttention(NSAConfig.tiny(), backends={"sliding_window_attention": "nope"})
     with pytest.raises(ValueError, match="unknown branches"):
