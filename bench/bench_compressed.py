@@ -187,10 +187,6 @@ def check(args):
     }
 
 
-def _failure(exc) -> str:
-    return f"error: {type(exc).__name__}: {str(exc)[:300]}"
-
-
 def time_one(args, T, sizes=None, sel_sizes=None):
     import jax
 
@@ -206,7 +202,7 @@ def time_one(args, T, sizes=None, sel_sizes=None):
         row["fwd_ms"] = timed(forward, q, k, v)[0].ms
         row["fwd_tflops"] = attention_flops(args, T) / row["fwd_ms"] / 1e9
     except Exception as exc:  # keep going: report what failed
-        row["fwd_ms"] = _failure(exc)
+        row["fwd_ms"] = f"error: {common.short_error(exc, 300)}"
     try:
         timing, compiled = timed(forward_backward, q, k, v, do)
         row["fwd_bwd_ms"] = timing.ms
@@ -214,12 +210,12 @@ def time_one(args, T, sizes=None, sel_sizes=None):
         row["fwd_bwd_temp_MiB"] = (None if memory is None
                                    else round(memory.temp_size_in_bytes / 2 ** 20, 1))
     except Exception as exc:
-        row["fwd_bwd_ms"] = _failure(exc)
+        row["fwd_bwd_ms"] = f"error: {common.short_error(exc, 300)}"
     try:
         _, lse = jax.jit(forward)(q, k, v)
         row["select_ms"] = timed(select, q, k, lse)[0].ms
     except Exception as exc:
-        row["select_ms"] = _failure(exc)
+        row["select_ms"] = f"error: {common.short_error(exc, 300)}"
     return row
 
 
@@ -237,7 +233,7 @@ def sweep(args):
             ms = common.time_jax_fn(fn, [xs], iters=args.iters, warmup=2,
                                     repeats=args.repeats)[0].ms
         except Exception as exc:  # report, keep sweeping
-            ms = _failure(exc)[:200]
+            ms = f"error: {common.short_error(exc, 200)}"
         rows.append({"kernel": kind, "T": T, "config": label, "ms": ms})
         print(rows[-1], flush=True)
         if isinstance(ms, float) and (kind not in best or ms < best[kind][0]):

@@ -114,23 +114,14 @@ def fla_selection(cfg):
     return call
 
 
-def to_torch(x, dtype=None):
-    """A JAX array on the CUDA device as a torch tensor (of `dtype`, when given)."""
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-
-    host = np.asarray(jnp.asarray(x, jnp.float32) if dtype is not None else x)
-    return torch.from_numpy(host).to("cuda", dtype=dtype)
-
-
 def peer_problem(block_idx, *arrays):
     """block_idx (int32) and `arrays` (in their dtype) as torch CUDA tensors."""
     import torch
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[str(arrays[0].dtype)]
-    return (to_torch(block_idx).to(torch.int32), *(to_torch(x, dtype) for x in arrays))
+    from parity.convert import jax_to_torch
+
+    return (jax_to_torch(block_idx, "cuda").to(torch.int32),
+            *(jax_to_torch(x, "cuda") for x in arrays))
 
 
 def peer_output(peer, q, k, v, block_idx):

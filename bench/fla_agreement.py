@@ -258,13 +258,6 @@ def run_fla(fla_parallel, inputs: dict, cfg, block_indices=None):
 # ---------------------------------------------------------------------------------------------
 # Comparison
 # ---------------------------------------------------------------------------------------------
-def to_torch(x, device: str):
-    """A JAX array as a torch tensor on `device` (dlpack: no copy where the devices match)."""
-    import torch
-
-    return torch.from_dlpack(x).to(device)
-
-
 def rel_l2(ours, ref) -> tuple[float, float]:
     """(||ours - ref|| / ||ref||, max |ours - ref|), in float32 (NaN when either is not finite)."""
     import torch
@@ -308,13 +301,16 @@ def compare_case(args, cfg, fla_parallel, S: int, dtype: str) -> list[dict[str, 
     """Both comparisons ("own", "shared") of one (S, dtype): one record per quantity."""
     import torch
 
+    from parity.convert import jax_to_torch
+
     device = "cuda" if args.device == "gpu" else "cpu"
     inputs = make_inputs(cfg, args.B, S, dtype, args.seed)
     precision = "highest" if dtype == "float32" else None
     o, grads, block_idx = run_ours(inputs, cfg, args.backend, precision)
-    ours = {"o": to_torch(o, device), **{n: to_torch(g, device) for n, g in grads.items()}}
-    ours_idx = to_torch(block_idx, device)
-    torch_inputs = {n: to_torch(x, device) for n, x in inputs.items()}
+    ours = {"o": jax_to_torch(o, device),
+            **{n: jax_to_torch(g, device) for n, g in grads.items()}}
+    ours_idx = jax_to_torch(block_idx, device)
+    torch_inputs = {n: jax_to_torch(x, device) for n, x in inputs.items()}
     del inputs, o, grads, block_idx
 
     tol_out, tol_grad = TOLERANCES[dtype]
