@@ -29,6 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
+from nsa_common.testing import rel_err  # noqa: E402
 
 CHECK_COLUMNS = ["T", "dtype", "o", "lse", "lse_inf_match", "dq", "dk", "dv",
                  "block_idx_rows_equal"]
@@ -86,15 +87,6 @@ def cmp_kw(cfg):
 def sel_kw(cfg):
     return dict(cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block,
                 n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local)
-
-
-def rel_err(x, ref):
-    import numpy as np
-
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    if not np.isfinite(x).all():
-        return float("nan")
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def attention_flops(args, T):
@@ -186,16 +178,13 @@ def check(args):
     lse = np.asarray(lse)
     return {
         "T": T, "dtype": args.dtype,
-        "o": rel_err(o, o_ref),
-        "lse": rel_err(lse[finite], lse_ref[finite]),
+        "o": rel_err(o, o_ref, nonfinite="nan"),
+        "lse": rel_err(lse[finite], lse_ref[finite], nonfinite="nan"),
         "lse_inf_match": bool((np.isfinite(lse) == finite).all()),
-        "dq": rel_err(dq, dq_ref), "dk": rel_err(dk, dk_ref), "dv": rel_err(dv, dv_ref),
+        **{name: rel_err(grad, ref, nonfinite="nan")
+           for name, grad, ref in (("dq", dq, dq_ref), ("dk", dk, dk_ref), ("dv", dv, dv_ref))},
         "block_idx_rows_equal": float((block_idx == idx_ref).all(axis=-1).mean()),
     }
-
-
-def _failure(exc) -> str:
-    return f"error: {type(exc).__name__}: {str(exc)[:300]}"
 
 
 def time_one(args, T, sizes=None, sel_sizes=None):
@@ -213,7 +202,7 @@ def time_one(args, T, sizes=None, sel_sizes=None):
         row["fwd_ms"] = timed(forward, q, k, v)[0].ms
         row["fwd_tflops"] = attention_flops(args, T) / row["fwd_ms"] / 1e9
     except Exception as exc:  # keep going: report what failed
-        row["fwd_ms"] = _failure(exc)
+        row["fwd_ms"] = f"error: {common.short_error(exc, 300)}"
     try:
         timing, compiled = timed(forward_backward, q, k, v, do)
         row["fwd_bwd_ms"] = timing.ms
@@ -221,12 +210,12 @@ def time_one(args, T, sizes=None, sel_sizes=None):
         row["fwd_bwd_temp_MiB"] = (None if memory is None
                                    else round(memory.temp_size_in_bytes / 2 ** 20, 1))
     except Exception as exc:
-        row["fwd_bwd_ms"] = _failure(exc)
+        row["fwd_bwd_ms"] = f"error: {common.short_error(exc, 300)}"
     try:
         _, lse = jax.jit(forward)(q, k, v)
         row["select_ms"] = timed(select, q, k, lse)[0].ms
     except Exception as exc:
-        row["select_ms"] = _failure(exc)
+        row["select_ms"] = f"error: {common.short_error(exc, 300)}"
     return row
 
 
@@ -244,7 +233,7 @@ def sweep(args):
             ms = common.time_jax_fn(fn, [xs], iters=args.iters, warmup=2,
                                     repeats=args.repeats)[0].ms
         except Exception as exc:  # report, keep sweeping
-            ms = _failure(exc)[:200]
+            ms = f"error: {common.short_error(exc, 200)}"
         rows.append({"kernel": kind, "T": T, "config": label, "ms": ms})
         print(rows[-1], flush=True)
         if isinstance(ms, float) and (kind not in best or ms < best[kind][0]):

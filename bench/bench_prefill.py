@@ -73,10 +73,15 @@ NO_NSA = dict(compress="", l="", d="", l_sel="", n_sel="", w="")
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
+def fla_fields(sel_block: int) -> dict[str, Any]:
+    """The NSAConfig fields of fla-org's configuration: mean compression with l = d = l_sel,
+    shared k/v."""
+    return dict(compress="mean", cmp_block=sel_block, cmp_stride=sel_block, shared_kv=True)
+
+
 def fla_config(cfg):
-    """fla-org's configuration of `cfg`: mean compression with l = d = l_sel, shared k/v."""
-    return cfg.replace(compress="mean", cmp_block=cfg.sel_block, cmp_stride=cfg.sel_block,
-                       shared_kv=True)
+    """fla-org's configuration of `cfg` (`fla_fields`)."""
+    return cfg.replace(**fla_fields(cfg.sel_block))
 
 
 def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:

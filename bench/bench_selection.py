@@ -32,23 +32,13 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
 from bench.common import Skip  # noqa: E402
+from nsa_common.testing import rel_err  # noqa: E402
 
 CORRECTNESS_COLUMNS = ["T", "quantity", "rel_err", "tolerance", "pass"]
 TIMING_COLUMNS = ["impl", "T", "pass", "median_ms", "min_ms", "tflops"]
 BREAKDOWN_COLUMNS = ["T", "piece", "median_ms"]
 SWEEP_COLUMNS = ["variant", "T", "fwd_ms", "fwd_bwd_ms", "max_rel_diff_vs_default"]
 PASSES = ("fwd", "fwd+bwd")
-
-
-def rel_err(actual, expected) -> float:
-    import jax.numpy as jnp
-    import numpy as np
-
-    a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    if not np.all(np.isfinite(a)):
-        return float("nan")
-    return float(np.linalg.norm(a - e) / np.linalg.norm(e))
 
 
 def make_inputs(T: int, args, seed: int = 0):
@@ -124,23 +114,14 @@ def fla_selection(cfg):
     return call
 
 
-def to_torch(x, dtype=None):
-    """A JAX array on the CUDA device as a torch tensor (of `dtype`, when given)."""
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-
-    host = np.asarray(jnp.asarray(x, jnp.float32) if dtype is not None else x)
-    return torch.from_numpy(host).to("cuda", dtype=dtype)
-
-
 def peer_problem(block_idx, *arrays):
     """block_idx (int32) and `arrays` (in their dtype) as torch CUDA tensors."""
     import torch
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[str(arrays[0].dtype)]
-    return (to_torch(block_idx).to(torch.int32), *(to_torch(x, dtype) for x in arrays))
+    from parity.convert import jax_to_torch
+
+    return (jax_to_torch(block_idx, "cuda").to(torch.int32),
+            *(jax_to_torch(x, "cuda") for x in arrays))
 
 
 def peer_output(peer, q, k, v, block_idx):
@@ -208,12 +189,12 @@ def correctness(args, peer) -> list[dict]:
         o_ref, grads_ref = jax.block_until_ready(
             reference_vjp(*(x.astype(jnp.float32) for x in (q, k, v, do))))
         for name, value, want in zip(("o", "dq", "dk", "dv"), got, (o_ref, *grads_ref)):
-            rows.append(row(T, name, rel_err(value, want)))
+            rows.append(row(T, name, rel_err(value, want, nonfinite="nan")))
         print(f"  T={T}: checked in {time.perf_counter() - start:.1f} s", flush=True)
         if peer is not None:
             try:
                 rows.append(row(T, "peer o", rel_err(peer_output(peer, q, k, v, block_idx),
-                                                     o_ref)))
+                                                     o_ref, nonfinite="nan")))
             except Exception:  # the peer's failure is reported, not ours
                 print("  peer forward failed:\n" + traceback.format_exc())
     return rows
@@ -282,7 +263,7 @@ def sweep(args) -> list[dict]:
             outs = jax.block_until_ready((jax.jit(forward)(q, k, v),
                                           *jax.jit(forward_backward)(q, k, v, do)))
             base = outs if base is None else base
-            err = max(rel_err(a, b) for a, b in zip(outs, base))
+            err = max(rel_err(a, b, nonfinite="nan") for a, b in zip(outs, base))
             fwd_ms = _ms(forward, (q, k, v), args).ms
             fwd_bwd_ms = _ms(forward_backward, (q, k, v, do), args).ms
             rows.append({"variant": name, "T": T, "fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms,

@@ -65,6 +65,7 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402
 from bench.common import OK, OOM, SKIPPED, TIMEOUT, Skip  # noqa: E402
+from nsa_common.testing import random_block_idx, rel_err  # noqa: E402
 
 COLUMNS = ["bench", "branch", "path", "kernel", "pass", "T", "B", "H", "G", "dk", "dv", "l", "d",
            "l_sel", "n_sel", "w", "dtype", "status", "ms", "ms_min", "ms_max", "samples",
@@ -97,32 +98,6 @@ class Problem:
     cotangent: Any
 
 
-def random_block_idx(B: int, T: int, G: int, cfg, generator, device, query_chunk: int = 4096):
-    """A random valid `block_idx int32 [B, T, G, n_sel]` in the spec's form (step 6), as
-    `pallas_kernels.selected_attention.random_block_idx` builds it: query t's eligible blocks are
-    0 .. t // l_sel; the first n_init and the n_local most recent eligible ones are always
-    chosen, the rest drawn uniformly; ascending, -1 padded at the end."""
-    import torch
-
-    n_blocks = -(-T // cfg.sel_block)
-    take = min(cfg.n_sel, n_blocks)
-    blocks = torch.arange(n_blocks, device=device)[None, :]
-    parts = []
-    for start in range(0, T, query_chunk):
-        t = torch.arange(start, min(T, start + query_chunk), device=device)
-        last = (t // cfg.sel_block)[:, None]
-        eligible = blocks <= last
-        forced = eligible & ((blocks < cfg.n_init) | (blocks > last - cfg.n_local))
-        score = torch.rand((B, t.numel(), G, n_blocks), generator=generator, device=device)
-        score = score.masked_fill(forced[None, :, None, :], 2.0)
-        score = score.masked_fill(~eligible[None, :, None, :], -1.0)
-        top_score, top = score.topk(take, dim=-1)
-        top = torch.where(top_score >= 0.0, top, n_blocks).sort(dim=-1).values
-        top = torch.where(top == n_blocks, -1, top)
-        parts.append(torch.nn.functional.pad(top, (0, cfg.n_sel - take), value=-1))
-    return torch.cat(parts, dim=1).to(torch.int32)
-
-
 def make_problem(args, cfg, branch: str, T: int, seed: int) -> Problem:
     from nsa_common import num_cmp_blocks
 
@@ -138,7 +113,9 @@ def make_problem(args, cfg, branch: str, T: int, seed: int) -> Problem:
     kv_len = num_cmp_blocks(cfg, T) if branch == "cmp" else T
     k, v = normal((B, kv_len, G, cfg.d_k)), normal((B, kv_len, G, cfg.d_v))
     if branch == "sel":
-        extra = (random_block_idx(B, T, G, cfg, gen, device), cfg.sel_block)
+        block_idx = random_block_idx(seed, B, T, G, cfg.n_sel, cfg.sel_block, n_init=cfg.n_init,
+                                     n_local=cfg.n_local, fill=True)
+        extra = (torch.from_numpy(block_idx).to(device), cfg.sel_block)
     elif branch == "win":
         extra = (cfg.window,)
     else:
@@ -240,16 +217,6 @@ def path_function(branch: str, path: str) -> Callable:
 # ---------------------------------------------------------------------------------------------
 # Correctness and timing
 # ---------------------------------------------------------------------------------------------
-def rel_err(actual, expected) -> float:
-    """Relative L2 error in float32 (NaN when `actual` is not finite)."""
-    import torch
-
-    a, e = actual.detach().float(), expected.detach().float()
-    if not bool(torch.isfinite(a).all()):
-        return float("nan")
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
-
-
 def _forward(fn: Callable, problem: Problem):
     import torch
 
@@ -353,9 +320,10 @@ def _errors(path: str, outputs, grads, exact) -> dict[str, Optional[float]]:
     float32 reference; none for the reference itself in a float32 run."""
     errors: dict[str, Optional[float]] = {"rel_err": None, "rel_err_grad": None}
     if path in outputs and "out" in exact and outputs[path] is not exact["out"]:
-        errors["rel_err"] = rel_err(outputs[path], exact["out"])
+        errors["rel_err"] = rel_err(outputs[path], exact["out"], nonfinite="nan")
     if path in grads and "grads" in exact and grads[path] is not exact["grads"]:
-        errors["rel_err_grad"] = max(rel_err(a, e) for a, e in zip(grads[path], exact["grads"]))
+        errors["rel_err_grad"] = max(rel_err(a, e, nonfinite="nan")
+                                     for a, e in zip(grads[path], exact["grads"]))
     return errors
 
 

@@ -174,14 +174,15 @@ def add_nsa_args(parser, preset: str = "bench") -> None:
                        help="compression (compress)")
 
 
-def nsa_config(args):
-    """The NSAConfig of `add_nsa_args`' flags: the preset with the flags that were set.
-    ValueError naming the field on a bad combination."""
+def nsa_config(args, **pinned):
+    """The NSAConfig of `add_nsa_args`' flags: the preset with the flags that were set, then
+    `pinned` (fields a script fixes, applied before the config is checked). ValueError naming
+    the field on a bad combination."""
     changes = {field: getattr(args, flag) for flag, (field, _) in NSA_FLAGS.items()
                if getattr(args, flag) is not None}
     if args.compress is not None:
         changes["compress"] = args.compress
-    return nsa_preset(args.preset).replace(**changes)
+    return nsa_preset(args.preset).replace(**{**changes, **pinned})
 
 
 def add_run_args(parser, *, iters: Optional[int] = None, warmup: Optional[int] = None,

@@ -15,7 +15,7 @@ Relative L2 = ||ours - fla|| / ||fla||; tolerances are the spec's (docs/NSA_SPEC
 selection agrees.
 
 What fla 0.6.0 computes (fla/ops/nsa/parallel.py, compression.py, utils/pooling.py), against
-our core in the configuration of `fla_config` (= bench_prefill's `nsa_config(fla_like=True)`):
+our core in the configuration of `fla_config` (bench_prefill's `fla_fields`, as its `*_fla` rows):
 - Compression: `mean_pooling(k, block_size)`, the mean of non-overlapping blocks of
   `block_size` tokens, taken in float32 and rounded to the input dtype; the same k and v feed
   all three branches. Ours: compress="mean", l = d = l_sel, shared_kv. (fla also pools a
@@ -80,6 +80,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
+from bench.bench_prefill import fla_fields  # noqa: E402
 
 COLUMNS = ["S", "dtype", "selection", "what", "rel_l2", "max_abs", "tol", "verdict",
            "selection_agreement", "block_agreement", "B", "H", "G", "dk", "dv", "l_sel", "n_sel",
@@ -99,14 +100,12 @@ FLA_MAX_HEAD_DIM = 256
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
-def fla_config(*, H: int, G: int, dk: int, dv: int, l_sel: int, n_sel: int, w: int):
-    """Our NSAConfig in fla-org's configuration: mean compression with l = d = l_sel, one k/v
-    shared by the three branches, the first block and two local blocks forced."""
-    from nsa_common import NSAConfig
-
-    return NSAConfig(d_model=H * dv, n_heads=H, n_kv_heads=G, d_k=dk, d_v=dv, cmp_block=l_sel,
-                     cmp_stride=l_sel, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
-                     window=w, compress="mean", shared_kv=True)
+def fla_config(args):
+    """Our NSAConfig in fla-org's configuration: the NSA flags (`common.add_nsa_args`), then
+    mean compression with l = d = l_sel and one k/v shared by the three branches
+    (`bench_prefill.fla_fields`); --l, --d and --compress are overridden."""
+    l_sel = args.l_sel if args.l_sel is not None else common.nsa_preset(args.preset).sel_block
+    return common.nsa_config(args, **fla_fields(l_sel))
 
 
 def check_fla_shapes(cfg) -> None:
@@ -115,6 +114,9 @@ def check_fla_shapes(cfg) -> None:
     if h < FLA_MIN_HEADS_PER_GROUP or h & (h - 1):
         raise ValueError(f"fla's parallel_nsa needs h = H/G a power of two >= "
                          f"{FLA_MIN_HEADS_PER_GROUP} (H {cfg.n_heads}, G {cfg.n_kv_heads}: h {h})")
+    if (cfg.n_init, cfg.n_local) != (1, 2):
+        raise ValueError(f"fla forces the first block and two local ones: n_init ({cfg.n_init}) "
+                         f"must be 1 and n_local ({cfg.n_local}) 2")
     if max(cfg.d_k, cfg.d_v) > FLA_MAX_HEAD_DIM:
         raise ValueError(f"fla's parallel_nsa needs d_k, d_v <= {FLA_MAX_HEAD_DIM} "
                          f"(d_k {cfg.d_k}, d_v {cfg.d_v})")
@@ -256,13 +258,6 @@ def run_fla(fla_parallel, inputs: dict, cfg, block_indices=None):
 # ---------------------------------------------------------------------------------------------
 # Comparison
 # ---------------------------------------------------------------------------------------------
-def to_torch(x, device: str):
-    """A JAX array as a torch tensor on `device` (dlpack: no copy where the devices match)."""
-    import torch
-
-    return torch.from_dlpack(x).to(device)
-
-
 def rel_l2(ours, ref) -> tuple[float, float]:
     """(||ours - ref|| / ||ref||, max |ours - ref|), in float32 (NaN when either is not finite)."""
     import torch
@@ -306,13 +301,16 @@ def compare_case(args, cfg, fla_parallel, S: int, dtype: str) -> list[dict[str, 
     """Both comparisons ("own", "shared") of one (S, dtype): one record per quantity."""
     import torch
 
+    from parity.convert import jax_to_torch
+
     device = "cuda" if args.device == "gpu" else "cpu"
     inputs = make_inputs(cfg, args.B, S, dtype, args.seed)
     precision = "highest" if dtype == "float32" else None
     o, grads, block_idx = run_ours(inputs, cfg, args.backend, precision)
-    ours = {"o": to_torch(o, device), **{n: to_torch(g, device) for n, g in grads.items()}}
-    ours_idx = to_torch(block_idx, device)
-    torch_inputs = {n: to_torch(x, device) for n, x in inputs.items()}
+    ours = {"o": jax_to_torch(o, device),
+            **{n: jax_to_torch(g, device) for n, g in grads.items()}}
+    ours_idx = jax_to_torch(block_idx, device)
+    torch_inputs = {n: jax_to_torch(x, device) for n, x in inputs.items()}
     del inputs, o, grads, block_idx
 
     tol_out, tol_grad = TOLERANCES[dtype]
@@ -345,23 +343,15 @@ def compare_case(args, cfg, fla_parallel, S: int, dtype: str) -> list[dict[str, 
 # CLI
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = common.script_parser(__doc__)
     p.add_argument("--S_list", default="8k,64k", help="context lengths, comma list; 'k' = 1024")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma list of bfloat16, float32")
     p.add_argument("--device", default="gpu", choices=("gpu", "cpu"))
     p.add_argument("--backend", default=None,
                    help="our backend (default: pallas on a GPU, xla on a CPU)")
     p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=64)
-    p.add_argument("--G", type=int, default=4)
-    p.add_argument("--dk", type=int, default=128, help="query/key head dim")
-    p.add_argument("--dv", type=int, default=128, help="value head dim")
-    p.add_argument("--l_sel", type=int, default=64,
-                   help="selection block = compression block = stride (fla's block_size)")
-    p.add_argument("--n_sel", type=int, default=16, help="selected blocks (a power of two)")
-    p.add_argument("--w", type=int, default=512, help="sliding window")
+    # --l_sel is also the compression block and stride (fla's block_size); --n_sel a power of two
+    common.add_nsa_args(p)
     p.add_argument("--fla_configs", default="autotune", choices=("autotune", "first"),
                    help="fla's Triton kernels: autotuned as shipped, or each at its first "
                         "configuration (no autotuning time; always so under the interpreter)")
@@ -381,8 +371,7 @@ def parse_args(argv=None):
     args.backend = args.backend or ("pallas" if args.device == "gpu" else "xla")
     if args.B <= 0:
         raise ValueError(f"--B ({args.B}) must be positive")
-    args.cfg = fla_config(H=args.H, G=args.G, dk=args.dk, dv=args.dv, l_sel=args.l_sel,
-                          n_sel=args.n_sel, w=args.w)
+    args.cfg = fla_config(args)
     check_fla_shapes(args.cfg)
     return args
 

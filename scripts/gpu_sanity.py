@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nsa_common import NSAConfig  # noqa: E402
+from nsa_common.testing import rel_err  # noqa: E402
 from nsa_torch_ref import NSAAttention, decode_step, init_cache, prefill  # noqa: E402
 from nsa_torch_ref.fast import routing, runtime  # noqa: E402
 
@@ -35,13 +36,6 @@ BRANCHES = {  # short name: (gate column, dispatch branch, environment that forc
 }
 CFG = NSAConfig(d_model=256, n_heads=8, n_kv_heads=2, d_k=64, d_v=64, cmp_block=32,
                 cmp_stride=16, sel_block=32, n_sel=4, n_init=1, n_local=2, window=96)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def isolate(layer: NSAAttention, column: int) -> None:
@@ -75,14 +69,14 @@ def check_branch(short: str, seq_len: int, device: str) -> list[str]:
     with torch.no_grad():
         y_fast = fast(x)
         y_plain = plain(x)
-    err = rel_err(y_fast, y_plain)
+    err = rel_err(y_fast, y_plain, nonfinite="inf")
     if not err <= TOL:
         problems.append(f"prefill fast vs reference: rel err {err:.2e} > {TOL}")
 
     cache = init_cache(CFG, batch=2, max_len=seq_len + 1, dtype=torch.bfloat16, device=device)
     _, cache = prefill(fast, x[:, :seq_len], cache)
     y_step = decode_step(fast, x[:, seq_len:], cache)[0]
-    err = rel_err(y_step[:, 0], y_fast[:, seq_len])
+    err = rel_err(y_step[:, 0], y_fast[:, seq_len], nonfinite="inf")
     if not err <= TOL:
         problems.append(f"decode step vs prefill at t={seq_len}: rel err {err:.2e} > {TOL}")
     return problems

@@ -1,5 +1,5 @@
-"""Shared helpers of the nsa_jax tests: random layer inputs, the relative error, the matmul
-precisions of a jaxpr."""
+"""Shared helpers of the nsa_jax tests: random layer inputs, the matmul precisions of a jaxpr
+(the relative error is `nsa_common.testing.rel_err`)."""
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -8,12 +8,6 @@ import numpy as np
 import nsa_jax
 
 AUX_FLOAT = ("o_cmp", "o_sel", "o_win", "gates")
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite values"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
 def make_inputs(cfg, B, T, dtype, seed=0):

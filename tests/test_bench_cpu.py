@@ -190,6 +190,29 @@ def test_every_script_takes_the_nsa_settings_alike():
         common.finish_args(bench_decode.build_parser().parse_args(["--d", "5"]))
 
 
+def test_fla_agreement_takes_the_nsa_settings_with_fla_fields_pinned():
+    """fla_agreement reads the same flags; fla's configuration then pins l = d = l_sel, mean
+    compression and shared k/v (the `*_fla` rows of bench_prefill), whatever --l/--d say."""
+    from bench import fla_agreement
+
+    parser = fla_agreement.build_parser()
+    argv = ["--preset", "tiny", "--H", "32", "--G", "2", "--dk", "16", "--dv", "16", "--l", "8",
+            "--d", "4", "--l_sel", "8", "--n_sel", "4", "--w", "16"]
+    want = NSAConfig.tiny(n_heads=32, n_kv_heads=2, d_k=16, d_v=16, cmp_block=8, cmp_stride=8,
+                          sel_block=8, n_sel=4, window=16, compress="mean", shared_kv=True)
+    assert fla_agreement.fla_config(parser.parse_args(argv)) == want
+    # the defaults: the bench preset (H 64, G 4, d_k = d_v = 128, l_sel 64, n_sel 16, w 512)
+    assert fla_agreement.parse_args([]).cfg == bench_prefill.fla_config(common.nsa_preset("bench"))
+    # l_sel below the preset's stride: fla's l = d = l_sel is applied before the config's checks
+    assert fla_agreement.parse_args(["--H", "16", "--G", "1", "--l_sel", "8", "--n_sel", "4"]
+                                    ).cfg.cmp_stride == 8
+    with pytest.raises(ValueError, match=r"n_init \(2\) must be 1 and n_local \(2\) 2"):
+        fla_agreement.parse_args(["--n_init", "2", "--n_sel", "16"])
+    for old in (["--heads", "4"], ["--groups", "2"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(old)
+
+
 def test_force_gates_rejects_unknown_branch():
     import jax.numpy as jnp
 

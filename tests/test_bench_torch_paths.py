@@ -86,27 +86,6 @@ def test_cpu_smoke(tmp_path, monkeypatch, capsys):
         "sel_triton_min_l", "fa2_min_len_win", "fa2_min_len_cmp"]
 
 
-def test_random_block_idx_is_valid():
-    cfg = NSAConfig(n_heads=4, n_kv_heads=2, d_k=16, d_v=16, cmp_block=8, cmp_stride=4,
-                    sel_block=16, n_sel=5, window=16)
-    B, T, G = 2, 100, 2
-    gen = torch.Generator().manual_seed(0)
-    idx = btp.random_block_idx(B, T, G, cfg, gen, "cpu", query_chunk=32)
-    assert idx.shape == (B, T, G, cfg.n_sel) and idx.dtype == torch.int32
-    for t in range(T):
-        last = t // cfg.sel_block
-        eligible = last + 1
-        for b in range(B):
-            for g in range(G):
-                row = idx[b, t, g].tolist()
-                chosen = [j for j in row if j >= 0]
-                assert len(chosen) == min(cfg.n_sel, eligible)
-                assert row == chosen + [-1] * (cfg.n_sel - len(chosen))
-                assert chosen == sorted(set(chosen)) and chosen[-1] <= last
-                forced = {0} | {j for j in range(last - cfg.n_local + 1, last + 1) if j >= 0}
-                assert forced <= set(chosen)
-
-
 def test_fa2_probe_sees_the_reference_fallback_and_restores():
     from nsa_torch_ref import dispatch
     from nsa_torch_ref.fast import fa2

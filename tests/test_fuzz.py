@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 import nsa_jax
 from bruteforce import bf_nsa_layer
 from conftest import enable_x64
-from jax_inputs import make_inputs, rel_err
+from jax_inputs import make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 
 TOL_F64 = 1e-9    # float64 against the float64 brute force

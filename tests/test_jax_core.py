@@ -12,7 +12,8 @@ import pytest
 import nsa_jax
 from bruteforce import (bf_compress, bf_compressed_attention, bf_select_blocks,
                         bf_selected_attention, bf_sliding_window_attention)
-from jax_inputs import AUX_FLOAT, dot_precisions, make_inputs, rel_err
+from jax_inputs import AUX_FLOAT, dot_precisions, make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 from nsa_jax import dispatch
 from nsa_jax.core import BRANCH_NAMES

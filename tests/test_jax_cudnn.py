@@ -11,6 +11,7 @@ import pytest
 from bruteforce import bf_compressed_attention
 from conftest import jax_has_gpu
 from nsa_common import NSAConfig, num_cmp_blocks
+from nsa_common.testing import rel_err
 from nsa_jax import XlaOptions
 from nsa_jax.xla import cudnn
 from nsa_jax.xla.compressed_attention import compressed_attention as xla_compressed_attention
@@ -26,11 +27,6 @@ def causal_f64(q, k, v, scale):
     lse = jax.nn.logsumexp(s, axis=-1)
     o = jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v)
     return o, jnp.transpose(lse, (0, 2, 1))
-
-
-def rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300))
 
 
 def inputs(key, B, T, H, G, d_k, d_v, cfg, dtype):
@@ -64,9 +60,9 @@ def test_fold_matches_brute_force(x64, T, l, d, d_v):
     _, lse_ref = xla_compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True,
                                           options=XlaOptions(compressed_cudnn=False))
     assert o.shape == (B, T, H, d_v) and lse.shape == (B, T, H)
-    assert rel(o, o_bf) <= 1e-12
+    assert rel_err(o, o_bf) <= 1e-12
     assert np.all(np.isneginf(lse[:, :l - 1])) and np.all(np.isfinite(lse[:, l - 1:]))
-    assert rel(lse[:, l - 1:], lse_ref[:, l - 1:]) <= 1e-12
+    assert rel_err(lse[:, l - 1:], lse_ref[:, l - 1:]) <= 1e-12
 
 
 def test_fold_gradients_match_chunked_path(x64):
@@ -82,7 +78,7 @@ def test_fold_gradients_match_chunked_path(x64):
     want = grads(lambda q, k, v: xla_compressed_attention(
         q, k, v, cfg, scale=0.3, options=XlaOptions(compressed_cudnn=False)))
     for g, w in zip(got, want):
-        assert rel(g, w) <= 1e-12
+        assert rel_err(g, w) <= 1e-12
 
 
 def test_fold_refuses_missing_blocks():
@@ -128,4 +124,4 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     want = (want[0], want[1][:, l - 1:], *want[2:])
     for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
-        assert rel(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+        assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name

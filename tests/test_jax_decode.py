@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import nsa_jax
-from jax_inputs import AUX_FLOAT, make_inputs, rel_err
+from jax_inputs import AUX_FLOAT, make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig, decode_read_bound
 from nsa_jax.decode import decode_read_bound as jnp_decode_read_bound
 

@@ -17,6 +17,7 @@ from conftest import jax_has_gpu
 from bruteforce import (bf_compress, bf_compressed_attention, bf_select_blocks,
                         bf_selected_attention, bf_sliding_window_attention)
 from nsa_common import NSAConfig, num_cmp_blocks, overlap_weights
+from nsa_common.testing import random_block_idx, rel_err
 from nsa_jax import XlaOptions, dispatch
 from nsa_jax.xla import top_blocks
 from nsa_jax.xla.select_blocks import sel_scores
@@ -24,12 +25,6 @@ from nsa_jax.xla.select_blocks import sel_scores
 TOL = 1e-10  # relative error of float64 results against the float64 brute force
 SMALL_CHUNKS = {"xla": XlaOptions(compressed_q_chunk=8, select_q_chunk=8, selected_q_chunk=8,
                                   window_q_chunk=8)}
-
-
-def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite values"
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
 def normal(rng, *shape):
@@ -198,18 +193,6 @@ def test_overlap_weighting_1_2_2_2_1():
 
 
 # -- selected attention --------------------------------------------------------------------------
-def random_block_idx(rng, B, T, G, n_sel, block_size):
-    """Random ascending eligible blocks per (b, t, g), -1 padded."""
-    idx = np.full((B, T, G, n_sel), -1, np.int32)
-    for b in range(B):
-        for t in range(T):
-            for g in range(G):
-                eligible = t // block_size + 1
-                count = rng.integers(1, min(n_sel, eligible) + 1)
-                idx[b, t, g, :count] = np.sort(rng.choice(eligible, count, replace=False))
-    return idx
-
-
 @pytest.mark.parametrize("H,G,T,block_size,n_sel,options", [
     (1, 1, 29, 8, 3, None),
     (4, 2, 33, 4, 4, SMALL_CHUNKS),

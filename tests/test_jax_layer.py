@@ -7,7 +7,8 @@ import pytest
 from jax.test_util import check_grads
 
 import nsa_jax
-from jax_inputs import AUX_FLOAT, make_inputs, rel_err
+from jax_inputs import AUX_FLOAT, make_inputs
+from nsa_common.testing import rel_err
 from bruteforce import bf_nsa_layer
 from nsa_common import NSAConfig
 from nsa_jax import XlaOptions, dispatch

@@ -8,7 +8,8 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 
 import nsa_jax  # noqa: E402
-from jax_inputs import dot_precisions, make_inputs, rel_err  # noqa: E402
+from jax_inputs import dot_precisions, make_inputs  # noqa: E402
+from nsa_common.testing import rel_err  # noqa: E402
 from nsa_common import NSAConfig  # noqa: E402
 from nsa_jax.nnx import NSAAttention  # noqa: E402
 

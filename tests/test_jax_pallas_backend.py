@@ -7,12 +7,9 @@ import pytest
 
 import nsa_jax
 from nsa_common import NSAConfig
+from nsa_common.testing import rel_err
 
 RTOL_OUT, RTOL_GRAD = 1e-5, 1e-4  # float32, spec tolerances
-
-
-def _rel(a, b):
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +27,8 @@ def test_layer_forward_matches_xla(case):
                                          return_aux=True)
     np.testing.assert_array_equal(aux_pl["block_idx"], aux_xla["block_idx"])
     for name in ("o_cmp", "o_sel"):
-        assert _rel(aux_pl[name], aux_xla[name]) <= RTOL_OUT, name
-    assert _rel(y_pl, y_xla) <= RTOL_OUT
+        assert rel_err(aux_pl[name], aux_xla[name]) <= RTOL_OUT, name
+    assert rel_err(y_pl, y_xla) <= RTOL_OUT
 
 
 def test_layer_gradients_match_xla(case):
@@ -42,13 +39,13 @@ def test_layer_gradients_match_xla(case):
         return jax.grad(loss, argnums=(0, 1))(params, x)
 
     (gp_xla, gx_xla), (gp_pl, gx_pl) = grads("xla"), grads(("pallas", "xla"))
-    assert _rel(gx_pl, gx_xla) <= RTOL_GRAD
+    assert rel_err(gx_pl, gx_xla) <= RTOL_GRAD
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gp_pl),
                             jax.tree_util.tree_leaves(gp_xla)):
         assert bool(jnp.all(jnp.isfinite(a))), jax.tree_util.keystr(path)
         if jax.tree_util.keystr(path) == "['cmp_k']['b2']":
             continue  # analytically zero (softmax is shift-invariant): rounding noise only
-        assert _rel(a, b) <= RTOL_GRAD, jax.tree_util.keystr(path)
+        assert rel_err(a, b) <= RTOL_GRAD, jax.tree_util.keystr(path)
 
 
 def test_pallas_alone_runs_the_other_branches_on_xla(case):

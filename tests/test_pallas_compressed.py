@@ -12,6 +12,7 @@ import pytest
 import bruteforce as bf
 from conftest import jax_has_gpu
 from nsa_common import NSAConfig
+from nsa_common.testing import rel_err
 from pallas_kernels.compressed_attention import (
     FLOAT32_BLOCK_SIZES,
     BlockSizes,
@@ -26,12 +27,6 @@ TOL = {jnp.float32: {"out": 1e-5, "grad": 1e-4}, jnp.bfloat16: {"out": 1e-2, "gr
 # kernel splits each key tile's queries into a few parts (the default tiles split them fully).
 SMALL = BlockSizes(block_q=16, block_kv=16, block_q_dq=16, block_kv_dq=16, block_q_dkv=32,
                    block_kv_dkv=16, dkv_programs=4)
-
-
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(x).all(), "NaN or Inf"
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 def make_inputs(seed, B, T, H, G, d_k, d_v, l, d, dtype=jnp.float32):

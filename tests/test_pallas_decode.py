@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import nsa_jax
-from jax_inputs import make_inputs, rel_err
+from jax_inputs import make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig, overlap_weights
 from nsa_jax.pallas_backend import PallasOptions
 from nsa_jax.xla.select_blocks import band_scores

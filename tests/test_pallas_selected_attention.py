@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import bruteforce
+from nsa_common.testing import rel_err
 from pallas_kernels.selected_attention import (
     BlockSizes,
     random_block_idx,
@@ -28,13 +29,6 @@ TOLERANCE = {  # dtype -> (outputs, gradients)
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-
-
-def rel_err(actual, expected) -> float:
-    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-    expected = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
-    assert np.all(np.isfinite(actual)), "NaN or Inf in the kernel's result"
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def make_inputs(seed, B, T, H, G, d_k, d_v, n_sel, l_sel, dtype):

@@ -12,7 +12,8 @@ import pytest
 
 import nsa_jax
 from bruteforce import bf_nsa_layer
-from jax_inputs import make_inputs, rel_err
+from jax_inputs import make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 from pallas_kernels.selected_attention import selected_attention as pallas_selected_attention
 from test_pallas_selected_attention import check_against_reference

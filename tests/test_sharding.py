@@ -83,7 +83,8 @@ def test_bench_scaling_points():
 
 def test_runs_under_a_set_mesh():
     """mesh=None takes the mesh of `jax.set_mesh` (here a 1 x 1 one: the layer unchanged)."""
-    from jax_inputs import make_inputs, rel_err
+    from jax_inputs import make_inputs
+    from nsa_common.testing import rel_err
 
     cfg = NSAConfig.tiny()
     params, x = make_inputs(cfg, 1, 24, jnp.float32)

@@ -14,7 +14,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 
 import nsa_jax
-from jax_inputs import AUX_FLOAT, make_inputs, rel_err
+from jax_inputs import AUX_FLOAT, make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 from nsa_jax import sharding
 

@@ -18,18 +18,12 @@ import torch
 
 from bruteforce import bf_compressed_attention, bf_sliding_window_attention
 from nsa_common import NSAConfig, num_cmp_blocks
+from nsa_common.testing import rel_err
 from nsa_torch_ref import reference
 from nsa_torch_ref.fast import fa2, runtime
 
 TOL = 1e-5  # float32 path against the float64 brute force (relative error)
 CFG = NSAConfig.tiny()  # l = 8, d = 4, d_k = 16, d_v = 8, H = 4, G = 2
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(out.detach().double() if isinstance(out, torch.Tensor) else out)
-    ref = np.asarray(ref)
-    assert np.isfinite(out).all()
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def _masked(q, k, v, mask, scale):

@@ -1,5 +1,6 @@
 """`NSAAttention` against the brute-force layer, its gradients, packing, validation and dispatch."""
 import copy
+import functools
 import math
 
 import numpy as np
@@ -8,16 +9,13 @@ import torch
 
 import bruteforce
 from nsa_common import NSAConfig
+from nsa_common.testing import rel_err as _rel_err
 from nsa_torch_ref import NSAAttention, dispatch, reference
 
 RTOL = 1e-10  # relative error allowed against the float64 brute force
 
-
-def rel_err(out, ref) -> float:
-    out = out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
-    assert np.isfinite(out).all(), "non-finite output"
-    norm = np.linalg.norm(ref)
-    return float(np.linalg.norm(out - ref) / (norm if norm > 0 else 1.0))
+# A zero reference (an exactly zero output or gradient) is compared by its absolute error.
+rel_err = functools.partial(_rel_err, absolute_if_zero=True)
 
 
 def make_layer(cfg: NSAConfig, seed: int = 0, **kwargs) -> NSAAttention:

@@ -3,6 +3,7 @@
 Everything runs in float64, where the reference path computes exactly: outputs must agree with
 `bruteforce` to RTOL, and block selections must be identical.
 """
+import functools
 import math
 
 import numpy as np
@@ -13,6 +14,7 @@ import bruteforce
 from bruteforce import (bf_compress, bf_select_blocks, bf_selected_attention,
                         bf_sliding_window_attention)
 from nsa_common import NSAConfig, num_cmp_blocks
+from nsa_common.testing import rel_err as _rel_err
 from nsa_torch_ref import (compress_kv, compressed_attention, select_blocks, selected_attention,
                            sliding_window_attention)
 
@@ -24,17 +26,12 @@ GROUPS = [(1, 1), (2, 2), (4, 4), (1, 16), (4, 1), (2, 4)]
 # n_sel = 4, T in {5, 12, 37} has fewer eligible blocks than n_sel (-1 padding) and 70 has more.
 LENGTHS = [5, 12, 37, 70]
 
+# A zero reference (an exactly zero output or gradient) is compared by its absolute error.
+rel_err = functools.partial(_rel_err, absolute_if_zero=True)
+
 
 def bf_compressed_attention(*args, **kwargs):
     return bruteforce.bf_compressed_attention(*args, **kwargs)
-
-
-def rel_err(out, ref) -> float:
-    out = out.detach().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert np.isfinite(out).all(), "non-finite output"
-    scale = np.linalg.norm(ref)
-    return float(np.linalg.norm(out - ref) / (scale if scale > 0 else 1.0))
 
 
 def random_qkv(B, T, G, h, d_k, d_v, *, seed, S=None):

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from bruteforce import bf_selected_attention  # noqa: E402
 from nsa_common import NSAConfig  # noqa: E402
+from nsa_common.testing import rel_err  # noqa: E402
 from nsa_torch_ref import reference  # noqa: E402
 from nsa_torch_ref.fast import triton_selection as ts  # noqa: E402
 
@@ -35,13 +36,6 @@ if DEVICE == "cpu" and not ts._interpreted():
 TOL_F32 = 1e-5      # float32 outputs against float64 (relative error)
 TOL_F32_GRAD = 1e-4
 TOL_16 = 1e-2       # bfloat16 / float16 outputs and gradients
-
-
-def rel_err(out, ref) -> float:
-    out = out.detach().double().cpu() if isinstance(out, torch.Tensor) else torch.as_tensor(out)
-    ref = ref.detach().double().cpu() if isinstance(ref, torch.Tensor) else torch.as_tensor(ref)
-    assert torch.isfinite(out).all(), "NaN or Inf"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def gather_reference(q, k, v, block_idx, block_size, scale=None):

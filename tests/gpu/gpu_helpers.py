@@ -13,12 +13,6 @@ TOL_F32_GRAD = 1e-4
 TOL_16 = 1e-2        # bfloat16 / float16 outputs and gradients
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double(), ref.detach().double().to(out.device)
-    assert torch.isfinite(out).all(), "NaN or Inf in the output"
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def tol_for(dtype: torch.dtype, grad: bool = False) -> float:
     if dtype == torch.float32:
         return TOL_F32_GRAD if grad else TOL_F32

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import jax_has_gpu
-from jax_inputs import make_inputs, rel_err
+from jax_inputs import make_inputs
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_helpers import GPU, rel_err, tol_for
+from gpu_helpers import GPU, tol_for
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig, num_cmp_blocks
 
 pytestmark = GPU

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_helpers import GPU, rel_err
+from gpu_helpers import GPU
+from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
 
 pytestmark = GPU
