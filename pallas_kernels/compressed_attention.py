@@ -36,11 +36,11 @@ from pallas_kernels._common import (
     MATMUL_MIN,
     check_kernel_dtype,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
 
 
@@ -109,15 +109,6 @@ class _Tiling:
         widest = max(self.dk_pad, self.dv_pad) * max(1, self.itemsize // 2)
         block_rows = min(block_rows, max(MATMUL_MIN, _MAX_TILE_ELEMENTS // widest))
         return max(1, block_rows // self.h_pad)
-
-
-def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """`a @ b` (operands optionally transposed) accumulated in float32. HIGHEST makes float32
-    operands multiply in IEEE float32 on Triton (its default would be TF32); for 16-bit operands it
-    changes nothing."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
 
 
 def load_rows(ref, first_query, tiling: _Tiling, dim: int):
@@ -228,7 +219,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
         # Scores in base 2 (exp2 is the cheap exponential on the GPU).
-        s = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s = dot(q, k, trans_b=True) * (scale * LOG2_E)
         if masked:
             s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s,
                           -jnp.inf)
@@ -244,7 +235,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride
         row_sum = row_sum * rescale + p.sum(axis=1)
         if not lse_only:
             v = v_ref[pl.ds(first_block, block_kv), :]
-            acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+            acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
     # Bulk: the tiles every row of the program sees whole (the first query sees them), with no
@@ -286,14 +277,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
         v = v_ref[pl.ds(first_block, block_kv), :]
-        s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
         # Padded rows carry lse = +inf, so p = 0 there without a mask.
         p = jnp.exp2(s2 - lse2[:, None])
         if masked:
             # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
             p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p, 0.0)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
 
     n_bulk = lax.div(blocks_visible_to(first_query, **geometry), jnp.int32(block_kv))
     n_tiles = n_tiles_of(blocks_visible_to(first_query + q_tile - 1, **geometry), block_kv)
@@ -327,23 +318,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         position, real = row_positions(first_query, q_tile, tiling)
         if transposed:
             # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`.
-            s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
+            s2_t = dot(k, q, trans_b=True) * (scale * LOG2_E)
             p_t = jnp.exp2(s2_t - lse2[None, :])
             if masked:
                 p_t = jnp.where(admissible(position, real, first_block, block_kv, **geometry,
                                            transposed=True), p_t, 0.0)
-            dv = dv + _dot(p_t.astype(do.dtype), do)
-            ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
-            dk = dk + _dot(ds_t.astype(q.dtype), q)
+            dv = dv + dot(p_t.astype(do.dtype), do)
+            ds_t = p_t * (dot(v, do, trans_b=True) - delta[None, :])
+            dk = dk + dot(ds_t.astype(q.dtype), q)
         else:
-            s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+            s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
             p = jnp.exp2(s2 - lse2[:, None])
             if masked:
                 p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p,
                               0.0)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+            dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     # The first query that sees block `first_block` is t = first_block*d + l - 1; from the query
@@ -440,15 +431,16 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
         out_specs = [_row_spec(q_tile, tiling, tiling.dv_pad), lse_spec]
         out_shape = [jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dv_pad), q.dtype),
                      lse_shape]
-    outs = pl.pallas_call(
+    outs = pallas_call(
         kernel,
+        name="nsa_compressed_lse" if lse_only else "nsa_compressed_attention_fwd",
+        num_warps=block_sizes.num_warps,
+        num_stages=block_sizes.num_stages,
+        interpret=interpret,
         grid=(B, n_q_tiles, G),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
-        interpret=interpret,
-        name="nsa_compressed_lse" if lse_only else "nsa_compressed_attention_fwd",
     )(*inputs)
     lse = outs[-1][:, :T, :, :tiling.heads].reshape(B, T, H)
     if lse_only:
@@ -480,19 +472,19 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
     v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
-    params = triton_compiler_params(block_sizes.num_warps_bwd, block_sizes.num_stages)
+    launch = dict(num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages,
+                  interpret=interpret)
 
-    dq = pl.pallas_call(
+    dq = pallas_call(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, **geometry),
+        name="nsa_compressed_attention_dq",
+        **launch,
         grid=(B, T_pad // q_tile_dq, G),
         in_specs=[_row_spec(q_tile_dq, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
                   _kv_spec(n_kv, tiling.dv_pad), _row_spec(q_tile_dq, tiling, tiling.dv_pad),
                   _row_spec(q_tile_dq, tiling, None), _row_spec(q_tile_dq, tiling, None)],
         out_specs=_row_spec(q_tile_dq, tiling, tiling.dk_pad),
         out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dk_pad), q.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_compressed_attention_dq",
     )(q5, k_pad, v_pad, do5, lse4, delta4)
 
     n_kv_tiles = pl.cdiv(tiling.n_cmp, block_kv_dkv)
@@ -509,10 +501,12 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     partial_spec = lambda dim_pad: pl.BlockSpec(
         (None, None, block_kv_dkv, None, dim_pad),
         lambda bp, j, g: (lax.rem(bp, jnp.int32(n_parts)), lax.div(bp, jnp.int32(n_parts)), j, g, 0))
-    dk_parts, dv_parts = pl.pallas_call(
+    dk_parts, dv_parts = pallas_call(
         functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=n_q_tiles,
                           q_tiles_per_part=q_tiles_per_part, n_parts=n_parts,
                           transposed=block_sizes.dkv_transposed, **geometry),
+        name="nsa_compressed_attention_dkv",
+        **launch,
         grid=(B * n_parts, n_kv_tiles, G),
         in_specs=[seq_spec(tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
                   kv_tile_spec(tiling.dv_pad), seq_spec(tiling.dv_pad), seq_spec(None),
@@ -520,9 +514,6 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
         out_specs=[partial_spec(tiling.dk_pad), partial_spec(tiling.dv_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dk_pad), jnp.float32),
                    jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dv_pad), jnp.float32)],
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_compressed_attention_dkv",
     )(q5, k_pad, v_pad, do5, lse4, delta4)
     dk = dk_parts.sum(axis=0) if n_parts > 1 else dk_parts[0]
     dv = dv_parts.sum(axis=0) if n_parts > 1 else dv_parts[0]
@@ -615,8 +606,6 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
         # inputs, so every gradient is exactly zero.
         o = jnp.zeros((B, T, H, v_cmp.shape[3]), q.dtype)
         return o, jnp.full((B, T, H), -jnp.inf, jnp.float32)
-    if not interpret:
-        silence_triton_deprecation()
     return _compressed_attention_jit(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
                                      interpret)
 
@@ -647,8 +636,6 @@ def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)
-    if not interpret:
-        silence_triton_deprecation()
     q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
     return _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
 

@@ -41,15 +41,15 @@ from nsa_common import cmp_admissible
 from pallas_kernels._common import (
     LOG2_E,
     LN_2,
+    MASK,
     check_implementation,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
-from pallas_kernels.compressed_attention import _dot
 
 __all__ = [
     "DecodeBlockSizes",
@@ -58,10 +58,6 @@ __all__ = [
     "decode_selected_window",
     "decode_selected_window_reference",
 ]
-
-# A large finite negative score: masked columns stay finite, so no inf - inf appears anywhere.
-MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
@@ -112,7 +108,7 @@ def _online_step(carry, s, v):
     correction = jnp.exp2(m - m_new)
     p = jnp.where(s > 0.5 * MASK, jnp.exp2(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
-    acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
 
@@ -160,7 +156,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         start, slot = _tile(first, block, n_slots)
         k = k_ref[pl.ds(start, block), :]
         v = v_ref[pl.ds(start, block), :]
-        s = jnp.where((slot >= first) & (slot < visible), _dot(q, k, trans_b=True) * scale_log2,
+        s = jnp.where((slot >= first) & (slot < visible), dot(q, k, trans_b=True) * scale_log2,
                       MASK)
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
@@ -207,7 +203,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         k = ks_ref[pl.ds(start, tile), :]
         v = vs_ref[pl.ds(start, tile), :]
         keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
-        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
     first_block = split * blocks_per_split
@@ -223,7 +219,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         # >= 0 for real slots (s < ring): the modulo's argument is positive.
         token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
-        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
     first_tile = split * ring_tiles_per_split
@@ -248,15 +244,6 @@ def combine_splits(o_part, lse_part):
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers
-
-
-def _pallas_call(kernel, *, name, block_sizes: DecodeBlockSizes, interpret, **kwargs):
-    if not interpret:
-        silence_triton_deprecation()
-    return pl.pallas_call(kernel, name=name, interpret=interpret,
-                          compiler_params=triton_compiler_params(block_sizes.num_warps,
-                                                                 block_sizes.num_stages),
-                          **kwargs)
 
 
 def _query_rows(q, n_groups: int, dk_pad: int):
@@ -341,8 +328,9 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
                                         lambda b, g, i: (b, 0, g, 0))
-    o_part, lse_part, s = _pallas_call(
-        kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret,
+    o_part, lse_part, s = pallas_call(
+        kernel, name="nsa_decode_compressed", num_warps=bs.num_warps, num_stages=bs.num_stages,
+        interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
@@ -407,8 +395,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                                            lambda b, g, i: (b, 0, g, 0))
     o_part = jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32)
     lse_part = jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32)
-    os_part, ls_part, ow_part, lw_part = _pallas_call(
-        kernel, name="nsa_decode_selected_window", block_sizes=bs, interpret=interpret,
+    os_part, ls_part, ow_part, lw_part = pallas_call(
+        kernel, name="nsa_decode_selected_window", num_warps=bs.num_warps,
+        num_stages=bs.num_stages, interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(n_sel_pad),
                   per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),

@@ -46,14 +46,13 @@ from pallas_kernels._common import (
     MATMUL_MIN,
     check_kernel_dtype,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
 from pallas_kernels.compressed_attention import (
-    _dot,
     blocks_visible_to,
     _group_view,
     _kv_spec,
@@ -207,9 +206,9 @@ def _exact_dot(a, b, *, split: str):
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     if split == "a":
         b = b.astype(jnp.bfloat16)
-        return _dot(hi, b) + _dot(lo, b)
+        return dot(hi, b) + dot(lo, b)
     a = a.astype(jnp.bfloat16)
-    return _dot(a, hi) + _dot(a, lo)
+    return dot(a, hi) + dot(a, lo)
 
 
 class _Scorer:
@@ -271,7 +270,7 @@ class _Scorer:
         head-summed probabilities `[q_tile, width]` to carry into step k + 1)."""
         first_block = k * self.span
         keys = self.k_ref[pl.ds(first_block, self.width), :]
-        s2 = _dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
+        s2 = dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
         p = jnp.exp2(s2 - self.lse2[:, None])
         # A non-finite row (NaN in q or lse) must not reach the other queries of the tile
         # through `0 * NaN` in the head-sum product: it scores 0 instead.
@@ -340,7 +339,7 @@ class _HeadLoopScorer(_Scorer):
         def add_head(head, p_sum):
             q = self.q_ref[:, head, :]
             lse2 = self.lse_ref[:, head] * LOG2_E
-            return p_sum + jnp.exp2(_dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
+            return p_sum + jnp.exp2(dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
 
         p_sum = lax.fori_loop(0, self.tiling.heads, add_head,
                               jnp.zeros((self.q_tile, self.width), jnp.float32))
@@ -443,15 +442,16 @@ def _top_n_pallas(score, n_sel: int, block_sizes: BlockSizes, interpret: bool):
     n_rows = pl.cdiv(rows.shape[0], per_program) * per_program
     rows = pad_axis(rows, 0, n_rows, value=-jnp.inf)
     n_sel_pad = next_pow2(n_sel)
-    idx = pl.pallas_call(
+    idx = pallas_call(
         functools.partial(_topn_kernel, n_sel=n_sel),
+        name="nsa_select_top_n",
+        num_warps=block_sizes.num_warps_topn,
+        num_stages=1,
+        interpret=interpret,
         grid=(n_rows // per_program,),
         in_specs=[pl.BlockSpec((per_program, n_cols), lambda r: (r, 0))],
         out_specs=pl.BlockSpec((per_program, n_sel_pad), lambda r: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((n_rows, n_sel_pad), jnp.int32),
-        compiler_params=triton_compiler_params(block_sizes.num_warps_topn, 1),
-        interpret=interpret,
-        name="nsa_select_top_n",
     )(rows)
     return idx[:math.prod(lead), :n_sel].reshape(*lead, n_sel)
 
@@ -533,17 +533,18 @@ def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_
     `[B, n, G, h]` (padded here to `rows_pad` queries; padded rows get lse +inf, so p = 0 there)
     and every compressed key of the group -> `[B, rows_pad, G, out_cols]` of `out_dtype`."""
     B, G = q5.shape[0], q5.shape[2]
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
+        name=name,
+        num_warps=block_sizes.num_warps,
+        num_stages=block_sizes.num_stages,
+        interpret=interpret,
         grid=(B, rows_pad // q_tile, G),
         in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
                   _kv_spec(k_pad.shape[1], tiling.dk_pad),
                   _row_spec(q_tile, tiling, None)],
         out_specs=pl.BlockSpec((None, q_tile, None, out_cols), lambda b, i, g: (b, i, g, 0)),
         out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, out_cols), out_dtype),
-        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
-        interpret=interpret,
-        name=name,
     )(_pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
       _pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
 
@@ -578,8 +579,6 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a select_blocks.BlockSizes, got "
                          f"{type(block_sizes).__name__}")
-    if not interpret:
-        silence_triton_deprecation()
     q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
     return _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_init,
                           n_local, scale, block_sizes, interpret)
