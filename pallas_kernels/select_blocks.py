@@ -52,20 +52,9 @@ from pallas_kernels._common import (
     pad_axis,
     pallas_call,
 )
-from pallas_kernels.compressed_attention import (
-    blocks_visible_to,
-    _group_view,
-    _kv_spec,
-    _pad_rows,
-    _reference_mask,
-    _row_spec,
-    _Tiling,
-    admissible,
-    check_inputs,
-    load_row_stats,
-    load_rows,
-    row_positions,
-)
+# The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
+# over tiles of compressed keys).
+import pallas_kernels._compressed_tiles as tiles
 
 # An index larger than any block index: marks empty slots of the running top-n.
 _NO_BLOCK = 2 ** 30
@@ -222,7 +211,7 @@ class _Scorer:
     is computed once). Steps whose compressed blocks every row of the tile sees whole need no
     mask (`n_bulk`)."""
 
-    def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: _Tiling, cmp_block: int,
+    def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: tiles.Tiling, cmp_block: int,
                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
                  block_sel: int, span: int, head_sum_dot: bool):
         self.k_ref, self.tiling, self.scale = k_ref, tiling, scale
@@ -240,21 +229,21 @@ class _Scorer:
         self.n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)),
                                jnp.int32(block_sel)) + 1
         # Steps whose `width` loaded blocks the first query sees: no mask, no empty rows.
-        seen_by_all = blocks_visible_to(first_query, **self.geometry)
+        seen_by_all = tiles.blocks_visible_to(first_query, **self.geometry)
         self.n_bulk = jnp.minimum(lax.div(jnp.maximum(seen_by_all - width, -span) + span,
                                           jnp.int32(span)), self.n_steps)
 
     def _hold_queries(self, q_ref, lse_ref, first_query):
         """The tile's (query, head) rows in registers, their lse, positions and padding."""
         tiling = self.tiling
-        self.q = load_rows(q_ref, first_query, tiling, tiling.d_k)
-        self.lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
-        self.position, self.real = row_positions(first_query, self.q_tile, tiling)
+        self.q = tiles.load_rows(q_ref, first_query, tiling, tiling.d_k)
+        self.lse2 = tiles.load_row_stats(lse_ref, tiling) * LOG2_E
+        self.position, self.real = tiles.row_positions(first_query, self.q_tile, tiling)
         if self.head_sum_dot:
             self.summer = self._summer(self.q_tile, tiling)
 
     @staticmethod
-    def _summer(q_tile: int, tiling: _Tiling):
+    def _summer(q_tile: int, tiling: tiles.Tiling):
         """[q_tile, rows] 0/1: sums a query's real heads (rows r = query * h_pad + head)."""
         rows = q_tile * tiling.h_pad
         i = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 0)
@@ -278,7 +267,7 @@ class _Scorer:
         if masked:
             # Columns past `span` belong to the next step; their weight rows are zero here and in
             # `w_previous`, so only admissibility is masked.
-            p = jnp.where(admissible(self.position, self.real, first_block, self.width,
+            p = jnp.where(tiles.admissible(self.position, self.real, first_block, self.width,
                                      **self.geometry), p, 0.0)
         if self.head_sum_dot and self.q_tile >= MATMUL_MIN:
             # Padded heads get weight 0 in `summer`, also in unmasked steps where their p is not.
@@ -346,7 +335,7 @@ class _HeadLoopScorer(_Scorer):
         # A non-finite query (NaN in q or lse) scores 0 rather than reach the weighted sums.
         p_sum = jnp.where((p_sum == p_sum) & (p_sum < jnp.inf), p_sum, 0.0)
         if masked:
-            p_sum = jnp.where(admissible(self.position, self.real, first_block, self.width,
+            p_sum = jnp.where(tiles.admissible(self.position, self.real, first_block, self.width,
                                          **self.geometry), p_sum, 0.0)
         return self._force(k, self._weigh(p_sum, previous)), p_sum
 
@@ -475,7 +464,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     B, T, H, d_k = q.shape
     G = k_cmp.shape[2]
     heads = H // G
-    tiling = _Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
+    tiling = tiles.Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                      d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
     if block_sizes.layout == "heads":
         q_tile = block_sizes.block_queries
@@ -490,8 +479,8 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
                     block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot,
                     layout=block_sizes.layout)
-    q5 = _group_view(q, G)
-    lse4 = _group_view(lse.astype(jnp.float32), G)
+    q5 = tiles.group_view(q, G)
+    lse4 = tiles.group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":
         return _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpret)
 
@@ -527,7 +516,7 @@ def _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpr
 
 
 def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_dtype, *,
-                     q_tile: int, tiling: _Tiling, block_sizes: BlockSizes, interpret: bool,
+                     q_tile: int, tiling: tiles.Tiling, block_sizes: BlockSizes, interpret: bool,
                      name: str):
     """One program per (batch, query tile, KV group) over q5 `[B, n, G, h, d_k]` and lse4
     `[B, n, G, h]` (padded here to `rows_pad` queries; padded rows get lse +inf, so p = 0 there)
@@ -540,13 +529,13 @@ def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_
         num_stages=block_sizes.num_stages,
         interpret=interpret,
         grid=(B, rows_pad // q_tile, G),
-        in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
-                  _kv_spec(k_pad.shape[1], tiling.dk_pad),
-                  _row_spec(q_tile, tiling, None)],
+        in_specs=[tiles.row_spec(q_tile, tiling, tiling.dk_pad),
+                  tiles.kv_spec(k_pad.shape[1], tiling.dk_pad),
+                  tiles.row_spec(q_tile, tiling, None)],
         out_specs=pl.BlockSpec((None, q_tile, None, out_cols), lambda b, i, g: (b, i, g, 0)),
         out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, out_cols), out_dtype),
-    )(_pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
-      _pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
+    )(tiles.pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
+      tiles.pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
 
 
 def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,
@@ -568,7 +557,7 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
       `block_idx int32 [B, T, G, n_sel]`: the chosen selection blocks in ascending order, `-1`
       padded at the end. No gradient (the scores are computed under `stop_gradient`).
     """
-    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    scale = tiles.check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                       n_sel=n_sel, n_init=n_init, n_local=n_local)
     _check_lse(lse, q)
@@ -596,21 +585,21 @@ def select_blocks_reference(q, k_cmp, lse=None, *, cmp_block: int, cmp_stride: i
     the log-sum-exp here. `q_offset` places the queries at `q_offset .. q_offset + T - 1` (to
     evaluate a long sequence a chunk of queries at a time). Memory O(B T H C): tests only.
     """
-    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    scale = tiles.check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     cfg = _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                             n_sel=n_sel, n_init=n_init, n_local=n_local)
     if lse is not None:
         _check_lse(lse, q)
     B, T, H, _ = q.shape
     C, G = k_cmp.shape[1], k_cmp.shape[2]
-    qg = _group_view(lax.stop_gradient(q), G).astype(jnp.float32)
+    qg = tiles.group_view(lax.stop_gradient(q), G).astype(jnp.float32)
     s = jnp.einsum("btghd,bcgd->btghc", qg, lax.stop_gradient(k_cmp).astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale
-    mask = _reference_mask(T, C, cmp_block, cmp_stride, q_offset)[None, :, None, None, :]
+    mask = tiles.reference_mask(T, C, cmp_block, cmp_stride, q_offset)[None, :, None, None, :]
     if lse is None:
         lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
     else:
-        lse = _group_view(lax.stop_gradient(lse), G).astype(jnp.float32)
+        lse = tiles.group_view(lax.stop_gradient(lse), G).astype(jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
     p_cmp = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lse), 0.0)
 
