@@ -32,6 +32,7 @@ from pallas_kernels._common import (
     LN_2,
     LOG2_E,
     MATMUL_MIN,
+    check_implementation,
     check_kernel_dtype,
     check_tile_sizes,
     dot,
@@ -430,7 +431,8 @@ _compressed_attention_jit = jax.jit(_compressed_attention, static_argnums=(3, 4,
 
 def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
                          scale: Optional[float] = None,
-                         block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                         block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                         implementation: str = "triton"):
     """Compressed attention with the spec's mask, as Pallas Triton kernels (forward and backward).
 
     Args:
@@ -440,22 +442,30 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
       cmp_block: l. cmp_stride: d. scale: softmax scale, `1/sqrt(d_k)` when None.
       block_sizes: tiles (`BlockSizes()` when None). interpret: run the kernels in Pallas'
         interpreter (CPU tests).
+      implementation: "triton" (the Pallas Triton kernels) or "xla" (the reference below).
+
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
 
     Returns:
       `o [B, T, H, d_v]` in the dtype of `q` and `lse [B, T, H]` float32 (natural log), with
       `o = 0`, `lse = -inf` where query `t` sees no block (`t < l - 1`, or `C = 0`).
       Differentiable in `q`, `k_cmp`, `v_cmp` (through `o` and `lse`).
     """
+    check_implementation(implementation)
     scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
                          scale=scale)
-    check_kernel_dtype("compressed_attention", q.dtype)
-    block_sizes = _default_block_sizes(q, block_sizes)
+    if implementation == "triton":
+        check_kernel_dtype("compressed_attention", q.dtype)
+        block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
-        # No compressed block exists yet (or no sequence: no grid to launch) (T < l): nothing to launch. o does not depend on the
-        # inputs, so every gradient is exactly zero.
+        # No compressed block exists yet (T < l), or no sequence: nothing to compute (and no
+        # grid to launch). o does not depend on the inputs, so every gradient is exactly zero.
         o = jnp.zeros((B, T, H, v_cmp.shape[3]), q.dtype)
         return o, jnp.full((B, T, H), -jnp.inf, jnp.float32)
+    if implementation == "xla":
+        return compressed_attention_reference(q, k_cmp, v_cmp, cmp_block=cmp_block,
+                                              cmp_stride=cmp_stride, scale=scale)
     return _compressed_attention_jit(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
                                      interpret)
 
@@ -476,17 +486,24 @@ def _default_block_sizes(q, block_sizes: Optional[BlockSizes]) -> BlockSizes:
 
 
 def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional[float] = None,
-                   block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                   block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                   implementation: str = "triton"):
     """The `lse [B, T, H]` (float32) of `compressed_attention` alone: the forward kernel without
     values or output (half its work). For `select_blocks` when no compressed forward ran.
-    No gradient."""
+    No gradient. Arguments as `compressed_attention`'s."""
+    check_implementation(implementation)
     scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
-    check_kernel_dtype("compressed_attention", q.dtype)
-    block_sizes = _default_block_sizes(q, block_sizes)
+    if implementation == "triton":
+        check_kernel_dtype("compressed_attention", q.dtype)
+        block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)
     q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
+    if implementation == "xla":
+        # The values do not enter lse: the keys stand in for them (XLA drops the unused o).
+        return compressed_attention_reference(q, k_cmp, k_cmp, cmp_block=cmp_block,
+                                              cmp_stride=cmp_stride, scale=scale)[1]
     return _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
 
 

@@ -44,6 +44,7 @@ from nsa_common import NSAConfig, overlap_weights
 from pallas_kernels._common import (
     LOG2_E,
     MATMUL_MIN,
+    check_implementation,
     check_kernel_dtype,
     check_tile_sizes,
     dot,
@@ -540,7 +541,8 @@ def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_
 
 def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,
                   n_init: int, n_local: int, scale: Optional[float] = None,
-                  block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                  block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                  implementation: str = "triton"):
     """Selected blocks of every query and KV group (spec step 6), as a Pallas Triton kernel.
 
     Args:
@@ -551,16 +553,24 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
       cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local: l, d, l_sel and the selection
         counts of the spec (checked as `NSAConfig` checks them).
       scale: softmax scale, `1/sqrt(d_k)` when None. block_sizes: tiles (`BlockSizes()` when
-        None). interpret: run in Pallas' interpreter (CPU tests).
+        None). interpret: run in Pallas' interpreter (CPU tests). implementation: "triton"
+        (the Pallas Triton kernels) or "xla" (the reference below).
+
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
 
     Returns:
       `block_idx int32 [B, T, G, n_sel]`: the chosen selection blocks in ascending order, `-1`
       padded at the end. No gradient (the scores are computed under `stop_gradient`).
     """
+    check_implementation(implementation)
     scale = tiles.check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                       n_sel=n_sel, n_init=n_init, n_local=n_local)
     _check_lse(lse, q)
+    if implementation == "xla":
+        return select_blocks_reference(q, k_cmp, lse, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                                       sel_block=sel_block, n_sel=n_sel, n_init=n_init,
+                                       n_local=n_local, scale=scale)
     check_kernel_dtype("select_blocks", q.dtype)
     if q.shape[0] == 0:  # no sequence: no grid to launch
         return jnp.full((0, q.shape[1], k_cmp.shape[2], n_sel), -1, jnp.int32)
