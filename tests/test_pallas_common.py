@@ -139,3 +139,12 @@ def test_dot_accumulates_in_float32(dtype, trans_a, trans_b):
     expected = (a64.T if trans_a else a64) @ (b64.T if trans_b else b64)
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_package_exports_every_op():
+    import pallas_kernels
+
+    for name, op in PUBLIC_OPS.items():
+        assert name in pallas_kernels.__all__ and getattr(pallas_kernels, name) is op, name
+    missing = [name for name in pallas_kernels.__all__ if not hasattr(pallas_kernels, name)]
+    assert not missing
