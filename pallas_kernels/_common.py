@@ -97,6 +97,23 @@ def pallas_call(kernel, *, name: str, num_warps: int, num_stages: int, interpret
                           **kwargs)
 
 
+def online_softmax_init(rows: int, dv: int):
+    """The carry `(acc [rows, dv], running max [rows], running sum [rows])` (float32) of an online
+    softmax over scores in the log2 domain with masked scores at `MASK`: no key seen yet."""
+    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_finish(carry):
+    """(o, lse in log2) of an online softmax; a row that saw no key (its max still the mask)
+    gets o = 0, lse = -inf."""
+    acc, m, l = carry
+    empty = m < 0.5 * MASK
+    l_safe = jnp.where(empty, 1.0, l)
+    o = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    return o, jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+
+
 @functools.cache
 def silence_triton_deprecation() -> None:
     """Ignore jax 0.11's warning that the Pallas Triton lowering is deprecated: that message only,

@@ -47,6 +47,8 @@ from pallas_kernels._common import (
     dot,
     matmul_dim,
     next_pow2,
+    online_softmax_finish,
+    online_softmax_init,
     pad_axis,
     pallas_call,
 )
@@ -112,20 +114,6 @@ def _online_step(carry, s, v):
     return acc, m_new, l
 
 
-def _init(rows: int, dv: int):
-    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-
-
-def _finish(carry):
-    """(o, lse in log2) of an online softmax; a row that saw no key gets o = 0, lse = -inf."""
-    acc, m, l = carry
-    empty = m < 0.5 * MASK
-    l_safe = jnp.where(empty, 1.0, l)
-    o = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    return o, jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels (grid: batch row, KV head)
 
@@ -164,7 +152,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
         return _online_step(carry, s, v)
 
-    carry = lax.fori_loop(first_tile, live_end, visit, _init(*o_ref.shape))
+    carry = lax.fori_loop(first_tile, live_end, visit, online_softmax_init(*o_ref.shape))
 
     def blank(i, unused):
         first = i * block
@@ -175,7 +163,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         return unused
 
     lax.fori_loop(live_end, end_tile, blank, 0)
-    o, lse_log2 = _finish(carry)
+    o, lse_log2 = online_softmax_finish(carry)
     o_ref[...] = o
     lse_ref[...] = lse_log2
 
@@ -208,8 +196,8 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
 
     first_block = split * blocks_per_split
     carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
-                          _init(*os_ref.shape))
-    os_ref[...], ls_ref[...] = _finish(carry)
+                          online_softmax_init(*os_ref.shape))
+    os_ref[...], ls_ref[...] = online_softmax_finish(carry)
 
     def visit_ring(i, carry):
         first = i * block_win
@@ -225,8 +213,8 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     first_tile = split * ring_tiles_per_split
     end_tile = jnp.minimum(first_tile + ring_tiles_per_split, -(-ring_pad // block_win))
     carry = lax.fori_loop(first_tile, jnp.maximum(first_tile, end_tile), visit_ring,
-                          _init(*ow_ref.shape))
-    ow_ref[...], lw_ref[...] = _finish(carry)
+                          online_softmax_init(*ow_ref.shape))
+    ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
 
 
 def combine_splits(o_part, lse_part):

@@ -42,6 +42,8 @@ from pallas_kernels._common import (
     dot,
     matmul_dim,
     next_pow2,
+    online_softmax_finish,
+    online_softmax_init,
     pad_axis,
     pallas_call,
 )
@@ -177,15 +179,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    init = (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _visit_bound(idx_ref), visit, init)
-    # A row that met no admissible key (only possible for invalid block_idx) still has the mask
-    # as its max: it gets o = 0 and lse = -inf, like the reference.
-    empty = m < 0.5 * MASK
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN_2)
+    carry = lax.fori_loop(0, _visit_bound(idx_ref), visit, online_softmax_init(rows, dv))
+    # A row that met no admissible key (only possible for invalid block_idx) gets o = 0 and
+    # lse = -inf, like the reference.
+    o, lse_log2 = online_softmax_finish(carry)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse_log2 * LN_2
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, l_sel,
