@@ -15,7 +15,6 @@ the cache's window ring; a chunk of queries (chunked prefill) goes to XLA.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Optional
 
 import jax
@@ -23,11 +22,7 @@ import jax
 from nsa_common import NSAConfig
 from nsa_jax.xla import cudnn
 from nsa_jax.xla.select_blocks import band_scores, top_blocks
-# Module objects, not the same-named functions `pallas_kernels/__init__` re-exports.
-cmp_kernel = importlib.import_module("pallas_kernels.compressed_attention")
-select_kernel = importlib.import_module("pallas_kernels.select_blocks")
-sel_kernel = importlib.import_module("pallas_kernels.selected_attention")
-decode_kernel = importlib.import_module("pallas_kernels.decode")
+import pallas_kernels as kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +41,10 @@ class PallasOptions:
     """
 
     interpret: Optional[bool] = None
-    compressed_blocks: Optional[cmp_kernel.BlockSizes] = None
-    select_blocks: Optional[select_kernel.BlockSizes] = None
-    selected_blocks: Optional[sel_kernel.BlockSizes] = None
-    decode_blocks: Optional[decode_kernel.DecodeBlockSizes] = None
+    compressed_blocks: Optional[kernels.CompressedAttentionBlockSizes] = None
+    select_blocks: Optional[kernels.SelectBlocksBlockSizes] = None
+    selected_blocks: Optional[kernels.SelectedAttentionBlockSizes] = None
+    decode_blocks: Optional[kernels.DecodeBlockSizes] = None
     compressed_cudnn: bool = True
 
     def resolve_interpret(self) -> bool:
@@ -71,7 +66,7 @@ def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
             return (o, lse) if return_lse else o
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # cuDNN refuses the shapes (or T < l): the kernel takes them
-    o, lse = cmp_kernel.compressed_attention(
+    o, lse = kernels.compressed_attention(
         q, k_cmp, v_cmp, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale,
         block_sizes=options.compressed_blocks, interpret=options.resolve_interpret())
     return (o, lse) if return_lse else o
@@ -81,10 +76,10 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
                   options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
     if lse is None:  # kernel-level call without the compressed branch's statistics
-        lse = cmp_kernel.compressed_lse(
+        lse = kernels.compressed_lse(
             q, k_cmp, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale,
             block_sizes=options.compressed_blocks, interpret=options.resolve_interpret())
-    return select_kernel.select_blocks(
+    return kernels.select_blocks(
         q, k_cmp, lse, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
         sel_block=cfg.sel_block, n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local,
         scale=scale, block_sizes=options.select_blocks, interpret=options.resolve_interpret())
@@ -93,7 +88,7 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
 def selected_attention(q, k, v, block_idx, *, block_size, scale,
                        options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
-    return sel_kernel.selected_attention(
+    return kernels.selected_attention(
         q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
         interpret=options.resolve_interpret())
 
@@ -108,7 +103,7 @@ def decode_compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, s
                                 options: Optional[PallasOptions] = None):
     _one_query(q, "decode_compressed")
     options = options or DEFAULT_OPTIONS
-    o_cmp, _, p_group = decode_kernel.decode_compressed(
+    o_cmp, _, p_group = kernels.decode_compressed(
         q[:, 0], k_cmp, v_cmp, positions[:, 0], cmp_block=cfg.cmp_block,
         cmp_stride=cfg.cmp_stride, scale=scale, block_sizes=options.decode_blocks,
         interpret=options.resolve_interpret())
@@ -129,7 +124,7 @@ def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, c
         raise NotImplementedError("the Pallas decode_selected_window kernel reads the window "
                                   "from the cache's ring only (window_tokens=None)")
     options = options or DEFAULT_OPTIONS
-    o_sel, o_win = decode_kernel.decode_selected_window(
+    o_sel, o_win = kernels.decode_selected_window(
         q[:, 0], k_sel, v_sel, block_idx[:, 0], k_win, v_win, positions[:, 0],
         sel_block=cfg.sel_block, window=cfg.window, scale=scale,
         block_sizes=options.decode_blocks, interpret=options.resolve_interpret())

@@ -1,7 +1,31 @@
 """Pallas GPU kernels for NSA, one file per op, each with its plain-JAX reference beside it.
 
-Kernels know nothing of the layer; `nsa_jax` reaches them through its one dispatch point.
+Kernels know nothing of the layer; `nsa_jax` reaches them through its one dispatch point. Every
+op takes `block_sizes` (its module's dataclass, exported here under the op's name), `interpret`
+and `implementation` ("triton", or "xla" for its reference).
+
+An op exported here shadows the module of the same name as an attribute of the package
+(`pallas_kernels.compressed_attention` is the function): reach a module's other names with
+`from pallas_kernels.compressed_attention import ...`.
 """
+from pallas_kernels.compressed_attention import (
+    BlockSizes as CompressedAttentionBlockSizes,
+    compressed_attention,
+    compressed_attention_reference,
+    compressed_lse,
+)
+from pallas_kernels.decode import (
+    DecodeBlockSizes,
+    decode_compressed,
+    decode_compressed_reference,
+    decode_selected_window,
+    decode_selected_window_reference,
+)
+from pallas_kernels.select_blocks import (
+    BlockSizes as SelectBlocksBlockSizes,
+    select_blocks,
+    select_blocks_reference,
+)
 from pallas_kernels.selected_attention import (
     BlockSizes as SelectedAttentionBlockSizes,
     random_block_idx,
@@ -10,8 +34,20 @@ from pallas_kernels.selected_attention import (
 )
 
 __all__ = [
+    "CompressedAttentionBlockSizes",
+    "DecodeBlockSizes",
+    "SelectBlocksBlockSizes",
     "SelectedAttentionBlockSizes",
+    "compressed_attention",
+    "compressed_attention_reference",
+    "compressed_lse",
+    "decode_compressed",
+    "decode_compressed_reference",
+    "decode_selected_window",
+    "decode_selected_window_reference",
     "random_block_idx",
+    "select_blocks",
+    "select_blocks_reference",
     "selected_attention",
     "selected_attention_reference",
 ]

@@ -1,8 +1,9 @@
 """Conventions shared by the Pallas GPU kernels of this package.
 
 Kept small on purpose: the Triton-lowering constraints every kernel here pads to, the one
-version-tolerant way to build Triton compiler parameters, and the one filter for jax 0.11's
-deprecation warning of the Triton lowering.
+matrix product (`dot`) and its precision policy, the one masked-score constant, the one way to
+launch a Triton `pallas_call` (compiler parameters under either jax name, and the filter for jax
+0.11's deprecation warning of the Triton lowering), and the checks of the wrappers' knobs.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 # Triton's `tl.dot` needs every matrix dimension >= 16, and every tensor dimension a power of 2.
 MATMUL_MIN = 16
@@ -28,6 +31,10 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
+
+# A finite "minus infinity" for masked scores: exp2(MASK - m) underflows to exactly 0 for any real
+# running max m, and MASK - MASK stays finite, so no mask pattern can produce inf - inf = NaN.
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def next_pow2(n: int) -> int:
@@ -58,6 +65,53 @@ def triton_compiler_params(num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as pltriton
     params = getattr(pltriton, "CompilerParams", None) or getattr(pltriton, "TritonCompilerParams")
     return params(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot(a, b, *, trans_a: bool = False, trans_b: bool = False, highest_16bit: bool = True):
+    """`a @ b` of two 2-D tiles (operands optionally transposed), accumulated in float32.
+
+    Precision policy: float32 operands multiply at `Precision.HIGHEST`, i.e. in IEEE float32 on
+    Triton (its default would be TF32, ~1e-3 relative error, outside the spec's float32
+    tolerance); 16-bit operands multiply on the matrix units in their own precision.
+
+    `highest_16bit` only picks how a 16-bit product is tagged in the lowered `tt.dot`: True
+    (HIGHEST, no input-precision tag) as compressed_attention, select_blocks and decode were
+    measured with; False (the default precision, a TF32 tag, which Triton reads only for float32
+    operands) as selected_attention was. Each kernel keeps the lowering its GPU runs verified.
+    """
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    highest = highest_16bit or a.dtype == jnp.float32
+    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST if highest else None,
+                           preferred_element_type=jnp.float32)
+
+
+def pallas_call(kernel, *, name: str, num_warps: int, num_stages: int, interpret: bool,
+                **kwargs):
+    """`pl.pallas_call` for the Triton lowering: compiler parameters from `num_warps` and
+    `num_stages`, and (outside the interpreter) the deprecation filter installed before the call
+    is lowered. `kwargs`: grid, specs, out_shape, debug, ... as `pl.pallas_call` takes them."""
+    if not interpret:
+        silence_triton_deprecation()
+    return pl.pallas_call(kernel, name=name, interpret=interpret,
+                          compiler_params=triton_compiler_params(num_warps, num_stages),
+                          **kwargs)
+
+
+def online_softmax_init(rows: int, dv: int):
+    """The carry `(acc [rows, dv], running max [rows], running sum [rows])` (float32) of an online
+    softmax over scores in the log2 domain with masked scores at `MASK`: no key seen yet."""
+    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+
+
+def online_softmax_finish(carry):
+    """(o, lse in log2) of an online softmax; a row that saw no key (its max still the mask)
+    gets o = 0, lse = -inf."""
+    acc, m, l = carry
+    empty = m < 0.5 * MASK
+    l_safe = jnp.where(empty, 1.0, l)
+    o = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
+    return o, jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
 
 
 @functools.cache

@@ -10,7 +10,8 @@ for `q_tile` consecutive queries, i.e. `q_tile * h` rows that all share one K/V 
 keys are few (`T/d`) and each is read by every query after it, so sharing each K/V tile among the
 `h` heads cuts K/V traffic by `h` (16 with the paper's H 64 / G 4) against a program per head, and
 it makes the rows of a `tl.dot` at least 16 even when `h * q_tile` queries are few. `h` is padded to
-a power of two in registers only (masked loads), never in HBM.
+a power of two in registers only (masked loads), never in HBM. This layout's helpers live in
+`_compressed_tiles`, which `select_blocks` shares.
 
 Rows with no admissible block (`t < l - 1`) give `o = 0`, `lse = -inf` and zero gradients.
 
@@ -20,27 +21,40 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from nsa_common import cmp_admissible
 from pallas_kernels._common import (
     LN_2,
     LOG2_E,
     MATMUL_MIN,
+    check_implementation,
     check_kernel_dtype,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
+)
+from pallas_kernels._compressed_tiles import (
+    Tiling,
+    admissible,
+    blocks_visible_to,
+    check_inputs,
+    group_view,
+    kv_spec,
+    load_row_stats,
+    load_rows,
+    pad_rows,
+    reference_mask,
+    row_positions,
+    row_spec,
+    store_rows,
 )
 
 
@@ -82,122 +96,6 @@ class BlockSizes:
 # software pipelining (the 16-bit defaults asked for up to 353 KiB of the H200's 227 KiB at d 128).
 FLOAT32_BLOCK_SIZES = BlockSizes(block_kv=32, block_kv_dq=32, block_kv_dkv=32, num_stages=1)
 
-# 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
-_MAX_TILE_ELEMENTS = 256 * 128
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-    """Static shape facts of one call, shared by the kernels."""
-
-    seq_len: int   # T
-    n_cmp: int     # C
-    heads: int     # h, query heads per KV group
-    h_pad: int     # h as a power of two
-    d_k: int
-    d_v: int
-    dk_pad: int
-    dv_pad: int
-    itemsize: int = 2  # bytes per element of q (float32 tiles take twice the shared memory)
-
-    def q_tile(self, block_rows: int) -> int:
-        """Queries per tile for a tile of `block_rows` rows (at least one query). Wide heads get
-        fewer rows: a tile holds at most `_MAX_TILE_ELEMENTS` 16-bit query elements, the size
-        the defaults were measured at, so that d_k = 192 (padded to 256) still fits shared
-        memory; float32 tiles hold half as many (at d 128 the float32 backward asked for 257 KiB
-        of the H200's 227 KiB with 16-bit-sized tiles)."""
-        widest = max(self.dk_pad, self.dv_pad) * max(1, self.itemsize // 2)
-        block_rows = min(block_rows, max(MATMUL_MIN, _MAX_TILE_ELEMENTS // widest))
-        return max(1, block_rows // self.h_pad)
-
-
-def _dot(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """`a @ b` (operands optionally transposed) accumulated in float32. HIGHEST makes float32
-    operands multiply in IEEE float32 on Triton (its default would be TF32); for 16-bit operands it
-    changes nothing."""
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-
-
-def load_rows(ref, first_query, tiling: _Tiling, dim: int):
-    """Load a `[q_tile, h_pad, dim_pad]` tile of queries x heads and flatten it to rows
-    `[q_tile * h_pad, dim_pad]` (row r: query `first_query + r // h_pad`, head `r % h_pad`).
-    Padded heads and padded features read as 0. The caller pads T to a whole number of tiles."""
-    q_tile, h_pad, dim_pad = ref.shape
-    mask = None
-    if h_pad != tiling.heads:
-        mask = (jnp.arange(h_pad) < tiling.heads)[None, :, None]
-    if dim_pad != dim:
-        dim_mask = (jnp.arange(dim_pad) < dim)[None, None, :]
-        mask = dim_mask if mask is None else mask & dim_mask
-    if mask is None:
-        tile = ref[...]
-    else:
-        tile = pltriton.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
-    return tile.reshape(q_tile * h_pad, dim_pad)
-
-
-def store_rows(ref, rows, tiling: _Tiling, dim: Optional[int]):
-    """Inverse of `load_rows`: write rows `[q_tile * h_pad, (dim_pad)]` into a
-    `[q_tile, h_pad(, dim_pad)]` block, skipping padded heads and features."""
-    tile = rows.reshape(ref.shape).astype(ref.dtype)
-    mask = None
-    if ref.shape[1] != tiling.heads:
-        mask = (jnp.arange(ref.shape[1]) < tiling.heads)[None, :]
-        if dim is not None:
-            mask = mask[:, :, None]
-    if dim is not None and ref.shape[2] != dim:
-        dim_mask = (jnp.arange(ref.shape[2]) < dim)[None, None, :]
-        mask = dim_mask if mask is None else mask & dim_mask
-    if mask is None:
-        ref[...] = tile
-    else:
-        pltriton.store(ref, tile, mask=jnp.broadcast_to(mask, ref.shape))
-
-
-def load_row_stats(ref, tiling: _Tiling):
-    """Load a `[q_tile, h_pad]` block of per-(query, head) float32 statistics as rows."""
-    q_tile, h_pad = ref.shape
-    if h_pad == tiling.heads:
-        tile = ref[...]
-    else:
-        mask = jnp.broadcast_to((jnp.arange(h_pad) < tiling.heads)[None, :], ref.shape)
-        tile = pltriton.load(ref, mask=mask, other=0.0)
-    return tile.reshape(q_tile * h_pad)
-
-
-def row_positions(first_query, q_tile: int, tiling: _Tiling):
-    """Query position `[rows]` of each row, and whether the row is a real (query, head)."""
-    rows = jnp.arange(q_tile * tiling.h_pad, dtype=jnp.int32)
-    # Explicit int32 constants: under `jax_enable_x64` a Python int would become int64.
-    position = first_query + lax.div(rows, jnp.int32(tiling.h_pad))
-    real = (position < tiling.seq_len) & (lax.rem(rows, jnp.int32(tiling.h_pad)) < tiling.heads)
-    return position, real
-
-
-def admissible(position, real, first_block, n_blocks: int, *, tiling: _Tiling, cmp_block: int,
-               cmp_stride: int, transposed: bool = False):
-    """`[rows, n_blocks]` mask of the spec (`[n_blocks, rows]` when `transposed`): row's query
-    `t` sees block `i` iff `i*d + l - 1 <= t` (and `i` exists)."""
-    block = first_block + jnp.arange(n_blocks, dtype=jnp.int32)
-    if transposed:
-        visible = block[:, None] * cmp_stride + (cmp_block - 1) <= position[None, :]
-        return visible & (block[:, None] < tiling.n_cmp) & real[None, :]
-    visible = block[None, :] * cmp_stride + (cmp_block - 1) <= position[:, None]
-    return visible & (block[None, :] < tiling.n_cmp) & real[:, None]
-
-
-def blocks_visible_to(last_query, *, tiling: _Tiling, cmp_block: int, cmp_stride: int):
-    """Number of compressed blocks query `last_query` may attend: `i*d + l - 1 <= t`."""
-    last_query = jnp.minimum(last_query, tiling.seq_len - 1)
-    # (t - l + 1) // d + 1, written with a non-negative numerator so that integer division
-    # truncation (all Triton has) equals floor division.
-    count = lax.div(jnp.maximum(last_query - cmp_block + 1 + cmp_stride, 0),
-                    jnp.int32(cmp_stride))
-    return jnp.minimum(count, tiling.n_cmp)
-
-
 def n_tiles_of(count, block: int):
     """Tiles of `block` compressed blocks that hold the first `count` blocks: ceil(count/block)."""
     return lax.div(count + (block - 1), jnp.int32(block))
@@ -207,7 +105,7 @@ def n_tiles_of(count, block: int):
 # Forward kernel
 
 
-def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride: int,
+def _fwd_kernel(q_ref, k_ref, *refs, tiling: Tiling, cmp_block: int, cmp_stride: int,
                 scale: float, block_kv: int, lse_only: bool):
     """o and lse of a query tile; with `lse_only` (refs = lse_ref) only the log-sum-exp: no V
     loads and no `p @ v` product, half the work (what selection needs when no forward ran)."""
@@ -228,7 +126,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
         # Scores in base 2 (exp2 is the cheap exponential on the GPU).
-        s = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s = dot(q, k, trans_b=True) * (scale * LOG2_E)
         if masked:
             s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s,
                           -jnp.inf)
@@ -244,7 +142,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride
         row_sum = row_sum * rescale + p.sum(axis=1)
         if not lse_only:
             v = v_ref[pl.ds(first_block, block_kv), :]
-            acc = acc * rescale[:, None] + _dot(p.astype(v.dtype), v)
+            acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v)
         return acc, new_max, row_sum
 
     # Bulk: the tiles every row of the program sees whole (the first query sees them), with no
@@ -271,7 +169,7 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: _Tiling, cmp_block: int, cmp_stride
 # Backward kernels
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tiling: _Tiling,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tiling: Tiling,
                cmp_block: int, cmp_stride: int, scale: float, block_kv: int):
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
@@ -286,14 +184,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
         first_block = tile * block_kv
         k = k_ref[pl.ds(first_block, block_kv), :]
         v = v_ref[pl.ds(first_block, block_kv), :]
-        s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
         # Padded rows carry lse = +inf, so p = 0 there without a mask.
         p = jnp.exp2(s2 - lse2[:, None])
         if masked:
             # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
             p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p, 0.0)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+        return dq + dot(ds.astype(k.dtype), k)
 
     n_bulk = lax.div(blocks_visible_to(first_query, **geometry), jnp.int32(block_kv))
     n_tiles = n_tiles_of(blocks_visible_to(first_query + q_tile - 1, **geometry), block_kv)
@@ -304,7 +202,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                tiling: _Tiling, cmp_block: int, cmp_stride: int, scale: float, q_tile: int,
+                tiling: Tiling, cmp_block: int, cmp_stride: int, scale: float, q_tile: int,
                 n_q_tiles: int, q_tiles_per_part: int, n_parts: int, transposed: bool):
     # Each program owns one tile of compressed keys and one part of the query tiles, and writes
     # that part's dK and dV partial sums once, without atomics: deterministic.
@@ -327,23 +225,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         position, real = row_positions(first_query, q_tile, tiling)
         if transposed:
             # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`.
-            s2_t = _dot(k, q, trans_b=True) * (scale * LOG2_E)
+            s2_t = dot(k, q, trans_b=True) * (scale * LOG2_E)
             p_t = jnp.exp2(s2_t - lse2[None, :])
             if masked:
                 p_t = jnp.where(admissible(position, real, first_block, block_kv, **geometry,
                                            transposed=True), p_t, 0.0)
-            dv = dv + _dot(p_t.astype(do.dtype), do)
-            ds_t = p_t * (_dot(v, do, trans_b=True) - delta[None, :])
-            dk = dk + _dot(ds_t.astype(q.dtype), q)
+            dv = dv + dot(p_t.astype(do.dtype), do)
+            ds_t = p_t * (dot(v, do, trans_b=True) - delta[None, :])
+            dk = dk + dot(ds_t.astype(q.dtype), q)
         else:
-            s2 = _dot(q, k, trans_b=True) * (scale * LOG2_E)
+            s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
             p = jnp.exp2(s2 - lse2[:, None])
             if masked:
                 p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p,
                               0.0)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+            dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     # The first query that sees block `first_block` is t = first_block*d + l - 1; from the query
@@ -366,15 +264,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 # Wrappers
 
 
-def _group_view(x, n_groups: int):
-    """[B, T, H, D] -> [B, T, G, h, D] (free: a reshape)."""
-    B, T, H = x.shape[:3]
-    return x.reshape(B, T, n_groups, H // n_groups, *x.shape[3:])
-
-
-def _tiling(q, k_cmp, v_cmp) -> _Tiling:
+def _tiling(q, k_cmp, v_cmp) -> Tiling:
     heads = q.shape[2] // k_cmp.shape[2]
-    return _Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
+    return Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                    d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=_head_pad(q.shape[3]),
                    dv_pad=_head_pad(v_cmp.shape[3]), itemsize=jnp.dtype(q.dtype).itemsize)
 
@@ -387,30 +279,9 @@ def _head_pad(dim: int) -> int:
     return max(2 * MATMUL_MIN, matmul_dim(dim))
 
 
-def _pad_rows(x, T_pad: int, tiling: _Tiling, dim_pad: Optional[int], value=0):
-    """[B, T, G, h(, D)] -> [B, T_pad, G, h_pad(, dim_pad)]: every block the kernels read is
-    then inside its array. (Blocks wider than their array, read under masks, gave wrong dK on
-    the GPU at d_v = 8 in bf16 while the interpreter agreed with the reference.)"""
-    x = pad_axis(pad_axis(x, 1, T_pad, value=value), 3, tiling.h_pad, value=value)
-    return x if dim_pad is None else pad_axis(x, 4, dim_pad)
-
-
 def _pad_kv(x, n_blocks: int, dim_pad: int):
     """[B, C, G, D] -> [B, n_blocks, G, dim_pad], zero padded (compressed keys are few: cheap)."""
     return pad_axis(pad_axis(x, 1, n_blocks), 3, dim_pad)
-
-
-def _row_spec(q_tile: int, tiling: _Tiling, dim_pad: Optional[int]):
-    """BlockSpec of a `[q_tile, h_pad(, dim_pad)]` tile of a `[B, T, G, h(, D)]` array."""
-    if dim_pad is None:
-        return pl.BlockSpec((None, q_tile, None, tiling.h_pad), lambda b, i, g: (b, i, g, 0))
-    return pl.BlockSpec((None, q_tile, None, tiling.h_pad, dim_pad),
-                        lambda b, i, g: (b, i, g, 0, 0))
-
-
-def _kv_spec(n_blocks: int, dim_pad: int):
-    """BlockSpec of all compressed keys of one (batch, group): `[n_blocks, dim_pad]`."""
-    return pl.BlockSpec((None, n_blocks, None, dim_pad), lambda b, i, g: (b, 0, g, 0))
 
 
 def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret,
@@ -424,31 +295,32 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
     n_q_tiles = pl.cdiv(T, q_tile)
     T_pad = n_q_tiles * q_tile
     n_kv = pl.cdiv(tiling.n_cmp, block_kv) * block_kv
-    q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
+    q5 = pad_rows(group_view(q, G), T_pad, tiling, tiling.dk_pad)
     kernel = functools.partial(_fwd_kernel, tiling=tiling, cmp_block=cmp_block,
                                cmp_stride=cmp_stride, scale=scale, block_kv=block_kv,
                                lse_only=lse_only)
-    lse_spec = _row_spec(q_tile, tiling, None)
+    lse_spec = row_spec(q_tile, tiling, None)
     lse_shape = jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad), jnp.float32)
     inputs = [q5, _pad_kv(k_cmp, n_kv, tiling.dk_pad)]
-    in_specs = [_row_spec(q_tile, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad)]
+    in_specs = [row_spec(q_tile, tiling, tiling.dk_pad), kv_spec(n_kv, tiling.dk_pad)]
     if lse_only:
         out_specs, out_shape = [lse_spec], [lse_shape]
     else:
         inputs.append(_pad_kv(v_cmp, n_kv, tiling.dv_pad))
-        in_specs.append(_kv_spec(n_kv, tiling.dv_pad))
-        out_specs = [_row_spec(q_tile, tiling, tiling.dv_pad), lse_spec]
+        in_specs.append(kv_spec(n_kv, tiling.dv_pad))
+        out_specs = [row_spec(q_tile, tiling, tiling.dv_pad), lse_spec]
         out_shape = [jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dv_pad), q.dtype),
                      lse_shape]
-    outs = pl.pallas_call(
+    outs = pallas_call(
         kernel,
+        name="nsa_compressed_lse" if lse_only else "nsa_compressed_attention_fwd",
+        num_warps=block_sizes.num_warps,
+        num_stages=block_sizes.num_stages,
+        interpret=interpret,
         grid=(B, n_q_tiles, G),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
-        interpret=interpret,
-        name="nsa_compressed_lse" if lse_only else "nsa_compressed_attention_fwd",
     )(*inputs)
     lse = outs[-1][:, :T, :, :tiling.heads].reshape(B, T, H)
     if lse_only:
@@ -472,27 +344,27 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     block_kv_dq, block_kv_dkv = block_sizes.block_kv_dq, block_sizes.block_kv_dkv
     n_kv = pl.cdiv(tiling.n_cmp, max(block_kv_dq, block_kv_dkv)) * max(block_kv_dq, block_kv_dkv)
 
-    q5 = _pad_rows(_group_view(q, G), T_pad, tiling, tiling.dk_pad)
-    do5 = _pad_rows(_group_view(do, G), T_pad, tiling, tiling.dv_pad)
+    q5 = pad_rows(group_view(q, G), T_pad, tiling, tiling.dk_pad)
+    do5 = pad_rows(group_view(do, G), T_pad, tiling, tiling.dv_pad)
     # +inf: padded rows get p = exp2(s - inf) = 0 in the kernels' unmasked tiles.
-    lse4 = _pad_rows(_group_view(lse, G), T_pad, tiling, None, value=jnp.inf)
-    delta4 = _pad_rows(_group_view(delta, G), T_pad, tiling, None)
+    lse4 = pad_rows(group_view(lse, G), T_pad, tiling, None, value=jnp.inf)
+    delta4 = pad_rows(group_view(delta, G), T_pad, tiling, None)
     k_pad = _pad_kv(k_cmp, n_kv, tiling.dk_pad)
     v_pad = _pad_kv(v_cmp, n_kv, tiling.dv_pad)
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
-    params = triton_compiler_params(block_sizes.num_warps_bwd, block_sizes.num_stages)
+    launch = dict(num_warps=block_sizes.num_warps_bwd, num_stages=block_sizes.num_stages,
+                  interpret=interpret)
 
-    dq = pl.pallas_call(
+    dq = pallas_call(
         functools.partial(_dq_kernel, block_kv=block_kv_dq, **geometry),
-        grid=(B, T_pad // q_tile_dq, G),
-        in_specs=[_row_spec(q_tile_dq, tiling, tiling.dk_pad), _kv_spec(n_kv, tiling.dk_pad),
-                  _kv_spec(n_kv, tiling.dv_pad), _row_spec(q_tile_dq, tiling, tiling.dv_pad),
-                  _row_spec(q_tile_dq, tiling, None), _row_spec(q_tile_dq, tiling, None)],
-        out_specs=_row_spec(q_tile_dq, tiling, tiling.dk_pad),
-        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dk_pad), q.dtype),
-        compiler_params=params,
-        interpret=interpret,
         name="nsa_compressed_attention_dq",
+        **launch,
+        grid=(B, T_pad // q_tile_dq, G),
+        in_specs=[row_spec(q_tile_dq, tiling, tiling.dk_pad), kv_spec(n_kv, tiling.dk_pad),
+                  kv_spec(n_kv, tiling.dv_pad), row_spec(q_tile_dq, tiling, tiling.dv_pad),
+                  row_spec(q_tile_dq, tiling, None), row_spec(q_tile_dq, tiling, None)],
+        out_specs=row_spec(q_tile_dq, tiling, tiling.dk_pad),
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, G, tiling.h_pad, tiling.dk_pad), q.dtype),
     )(q5, k_pad, v_pad, do5, lse4, delta4)
 
     n_kv_tiles = pl.cdiv(tiling.n_cmp, block_kv_dkv)
@@ -509,10 +381,12 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
     partial_spec = lambda dim_pad: pl.BlockSpec(
         (None, None, block_kv_dkv, None, dim_pad),
         lambda bp, j, g: (lax.rem(bp, jnp.int32(n_parts)), lax.div(bp, jnp.int32(n_parts)), j, g, 0))
-    dk_parts, dv_parts = pl.pallas_call(
+    dk_parts, dv_parts = pallas_call(
         functools.partial(_dkv_kernel, q_tile=q_tile_dkv, n_q_tiles=n_q_tiles,
                           q_tiles_per_part=q_tiles_per_part, n_parts=n_parts,
                           transposed=block_sizes.dkv_transposed, **geometry),
+        name="nsa_compressed_attention_dkv",
+        **launch,
         grid=(B * n_parts, n_kv_tiles, G),
         in_specs=[seq_spec(tiling.dk_pad), kv_tile_spec(tiling.dk_pad),
                   kv_tile_spec(tiling.dv_pad), seq_spec(tiling.dv_pad), seq_spec(None),
@@ -520,9 +394,6 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
         out_specs=[partial_spec(tiling.dk_pad), partial_spec(tiling.dv_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dk_pad), jnp.float32),
                    jax.ShapeDtypeStruct((n_parts, B, n_kv, G, tiling.dv_pad), jnp.float32)],
-        compiler_params=params,
-        interpret=interpret,
-        name="nsa_compressed_attention_dkv",
     )(q5, k_pad, v_pad, do5, lse4, delta4)
     dk = dk_parts.sum(axis=0) if n_parts > 1 else dk_parts[0]
     dv = dv_parts.sum(axis=0) if n_parts > 1 else dv_parts[0]
@@ -558,38 +429,10 @@ _compressed_attention.defvjp(_compressed_attention_fwd, _compressed_attention_bw
 _compressed_attention_jit = jax.jit(_compressed_attention, static_argnums=(3, 4, 5, 6, 7))
 
 
-def check_inputs(q, k_cmp, v_cmp=None, *, cmp_block, cmp_stride, scale=None) -> float:
-    """Validate BTHD shapes and the compression geometry; return the softmax scale."""
-    for name, value in (("cmp_block", cmp_block), ("cmp_stride", cmp_stride)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} ({value!r}) must be a positive int")
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, T, H, d_k], got shape {q.shape}")
-    if k_cmp.ndim != 4:
-        raise ValueError(f"k_cmp must be [B, C, G, d_k], got shape {k_cmp.shape}")
-    B, T, H, d_k = q.shape
-    if k_cmp.shape[0] != B or k_cmp.shape[3] != d_k:
-        raise ValueError(f"k_cmp {k_cmp.shape} must be [B={B}, C, G, d_k={d_k}] to match q "
-                         f"{q.shape}")
-    G = k_cmp.shape[2]
-    if G == 0 or H % G:
-        raise ValueError(f"the heads of q ({H}) must be a multiple of the heads of k_cmp ({G})")
-    if v_cmp is not None:
-        if v_cmp.ndim != 4 or v_cmp.shape[:3] != k_cmp.shape[:3]:
-            raise ValueError(f"v_cmp {v_cmp.shape} must be [B, C, G, d_v] with B, C, G of k_cmp "
-                             f"{k_cmp.shape}")
-    if T == 0:
-        raise ValueError("q must hold at least one query (T >= 1)")
-    if scale is None:
-        return 1.0 / math.sqrt(d_k)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale ({scale!r}) must be a finite float or None")
-    return float(scale)
-
-
 def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
                          scale: Optional[float] = None,
-                         block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                         block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                         implementation: str = "triton"):
     """Compressed attention with the spec's mask, as Pallas Triton kernels (forward and backward).
 
     Args:
@@ -599,24 +442,30 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
       cmp_block: l. cmp_stride: d. scale: softmax scale, `1/sqrt(d_k)` when None.
       block_sizes: tiles (`BlockSizes()` when None). interpret: run the kernels in Pallas'
         interpreter (CPU tests).
+      implementation: "triton" (the Pallas Triton kernels) or "xla" (the reference below).
+
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
 
     Returns:
       `o [B, T, H, d_v]` in the dtype of `q` and `lse [B, T, H]` float32 (natural log), with
       `o = 0`, `lse = -inf` where query `t` sees no block (`t < l - 1`, or `C = 0`).
       Differentiable in `q`, `k_cmp`, `v_cmp` (through `o` and `lse`).
     """
+    check_implementation(implementation)
     scale = check_inputs(q, k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
                          scale=scale)
-    check_kernel_dtype("compressed_attention", q.dtype)
-    block_sizes = _default_block_sizes(q, block_sizes)
+    if implementation == "triton":
+        check_kernel_dtype("compressed_attention", q.dtype)
+        block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
-        # No compressed block exists yet (or no sequence: no grid to launch) (T < l): nothing to launch. o does not depend on the
-        # inputs, so every gradient is exactly zero.
+        # No compressed block exists yet (T < l), or no sequence: nothing to compute (and no
+        # grid to launch). o does not depend on the inputs, so every gradient is exactly zero.
         o = jnp.zeros((B, T, H, v_cmp.shape[3]), q.dtype)
         return o, jnp.full((B, T, H), -jnp.inf, jnp.float32)
-    if not interpret:
-        silence_triton_deprecation()
+    if implementation == "xla":
+        return compressed_attention_reference(q, k_cmp, v_cmp, cmp_block=cmp_block,
+                                              cmp_stride=cmp_stride, scale=scale)
     return _compressed_attention_jit(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes,
                                      interpret)
 
@@ -637,19 +486,24 @@ def _default_block_sizes(q, block_sizes: Optional[BlockSizes]) -> BlockSizes:
 
 
 def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional[float] = None,
-                   block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                   block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                   implementation: str = "triton"):
     """The `lse [B, T, H]` (float32) of `compressed_attention` alone: the forward kernel without
     values or output (half its work). For `select_blocks` when no compressed forward ran.
-    No gradient."""
+    No gradient. Arguments as `compressed_attention`'s."""
+    check_implementation(implementation)
     scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
-    check_kernel_dtype("compressed_attention", q.dtype)
-    block_sizes = _default_block_sizes(q, block_sizes)
+    if implementation == "triton":
+        check_kernel_dtype("compressed_attention", q.dtype)
+        block_sizes = _default_block_sizes(q, block_sizes)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)
-    if not interpret:
-        silence_triton_deprecation()
     q, k_cmp = lax.stop_gradient(q), lax.stop_gradient(k_cmp)
+    if implementation == "xla":
+        # The values do not enter lse: the keys stand in for them (XLA drops the unused o).
+        return compressed_attention_reference(q, k_cmp, k_cmp, cmp_block=cmp_block,
+                                              cmp_stride=cmp_stride, scale=scale)[1]
     return _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, interpret)
 
 
@@ -669,10 +523,10 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, cmp_block: int, cmp_strid
                          scale=scale)
     B, T, H, _ = q.shape
     G = k_cmp.shape[2]
-    qg = _group_view(q, G).astype(jnp.float32)
+    qg = group_view(q, G).astype(jnp.float32)
     s = jnp.einsum("btghd,bcgd->btghc", qg, k_cmp.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale
-    mask = _reference_mask(T, k_cmp.shape[1], cmp_block, cmp_stride, q_offset)[None, :, None,
+    mask = reference_mask(T, k_cmp.shape[1], cmp_block, cmp_stride, q_offset)[None, :, None,
                                                                                   None, :]
     row_max = lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -685,9 +539,3 @@ def compressed_attention_reference(q, k_cmp, v_cmp, *, cmp_block: int, cmp_strid
                    precision=lax.Precision.HIGHEST)
     lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe_sum))[..., 0]
     return o.reshape(B, T, H, -1).astype(q.dtype), lse.reshape(B, T, H)
-
-
-def _reference_mask(T: int, C: int, cmp_block: int, cmp_stride: int, q_offset: int = 0):
-    """`[T, C]` bool: query `q_offset + t` sees block `i` iff `i*d + l - 1 <= q_offset + t`."""
-    position = q_offset + jnp.arange(T)[:, None]
-    return cmp_admissible(jnp.arange(C)[None, :], position, cmp_block, cmp_stride)

@@ -41,15 +41,17 @@ from nsa_common import cmp_admissible
 from pallas_kernels._common import (
     LOG2_E,
     LN_2,
+    MASK,
     check_implementation,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
+    online_softmax_finish,
+    online_softmax_init,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
-from pallas_kernels.compressed_attention import _dot
 
 __all__ = [
     "DecodeBlockSizes",
@@ -58,10 +60,6 @@ __all__ = [
     "decode_selected_window",
     "decode_selected_window_reference",
 ]
-
-# A large finite negative score: masked columns stay finite, so no inf - inf appears anywhere.
-MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
@@ -112,22 +110,8 @@ def _online_step(carry, s, v):
     correction = jnp.exp2(m - m_new)
     p = jnp.where(s > 0.5 * MASK, jnp.exp2(s - m_new[:, None]), 0.0)
     l = l * correction + jnp.sum(p, axis=1)
-    acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_new, l
-
-
-def _init(rows: int, dv: int):
-    return (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-
-
-def _finish(carry):
-    """(o, lse in log2) of an online softmax; a row that saw no key gets o = 0, lse = -inf."""
-    acc, m, l = carry
-    empty = m < 0.5 * MASK
-    l_safe = jnp.where(empty, 1.0, l)
-    o = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None])
-    return o, jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,7 +144,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         start, slot = _tile(first, block, n_slots)
         k = k_ref[pl.ds(start, block), :]
         v = v_ref[pl.ds(start, block), :]
-        s = jnp.where((slot >= first) & (slot < visible), _dot(q, k, trans_b=True) * scale_log2,
+        s = jnp.where((slot >= first) & (slot < visible), dot(q, k, trans_b=True) * scale_log2,
                       MASK)
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
@@ -168,7 +152,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
         return _online_step(carry, s, v)
 
-    carry = lax.fori_loop(first_tile, live_end, visit, _init(*o_ref.shape))
+    carry = lax.fori_loop(first_tile, live_end, visit, online_softmax_init(*o_ref.shape))
 
     def blank(i, unused):
         first = i * block
@@ -179,7 +163,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         return unused
 
     lax.fori_loop(live_end, end_tile, blank, 0)
-    o, lse_log2 = _finish(carry)
+    o, lse_log2 = online_softmax_finish(carry)
     o_ref[...] = o
     lse_ref[...] = lse_log2
 
@@ -207,13 +191,13 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         k = ks_ref[pl.ds(start, tile), :]
         v = vs_ref[pl.ds(start, tile), :]
         keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
-        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
     first_block = split * blocks_per_split
     carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
-                          _init(*os_ref.shape))
-    os_ref[...], ls_ref[...] = _finish(carry)
+                          online_softmax_init(*os_ref.shape))
+    os_ref[...], ls_ref[...] = online_softmax_finish(carry)
 
     def visit_ring(i, carry):
         first = i * block_win
@@ -223,14 +207,14 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         # >= 0 for real slots (s < ring): the modulo's argument is positive.
         token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
-        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
         return _online_step(carry, s, v)
 
     first_tile = split * ring_tiles_per_split
     end_tile = jnp.minimum(first_tile + ring_tiles_per_split, -(-ring_pad // block_win))
     carry = lax.fori_loop(first_tile, jnp.maximum(first_tile, end_tile), visit_ring,
-                          _init(*ow_ref.shape))
-    ow_ref[...], lw_ref[...] = _finish(carry)
+                          online_softmax_init(*ow_ref.shape))
+    ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
 
 
 def combine_splits(o_part, lse_part):
@@ -248,15 +232,6 @@ def combine_splits(o_part, lse_part):
 
 # ----------------------------------------------------------------------------------------------
 # Wrappers
-
-
-def _pallas_call(kernel, *, name, block_sizes: DecodeBlockSizes, interpret, **kwargs):
-    if not interpret:
-        silence_triton_deprecation()
-    return pl.pallas_call(kernel, name=name, interpret=interpret,
-                          compiler_params=triton_compiler_params(block_sizes.num_warps,
-                                                                 block_sizes.num_stages),
-                          **kwargs)
 
 
 def _query_rows(q, n_groups: int, dk_pad: int):
@@ -341,8 +316,9 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
                                         lambda b, g, i: (b, 0, g, 0))
-    o_part, lse_part, s = _pallas_call(
-        kernel, name="nsa_decode_compressed", block_sizes=bs, interpret=interpret,
+    o_part, lse_part, s = pallas_call(
+        kernel, name="nsa_decode_compressed", num_warps=bs.num_warps, num_stages=bs.num_stages,
+        interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
@@ -407,8 +383,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                                            lambda b, g, i: (b, 0, g, 0))
     o_part = jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32)
     lse_part = jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32)
-    os_part, ls_part, ow_part, lw_part = _pallas_call(
-        kernel, name="nsa_decode_selected_window", block_sizes=bs, interpret=interpret,
+    os_part, ls_part, ow_part, lw_part = pallas_call(
+        kernel, name="nsa_decode_selected_window", num_warps=bs.num_warps,
+        num_stages=bs.num_stages, interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(n_sel_pad),
                   per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),

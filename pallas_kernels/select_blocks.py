@@ -44,29 +44,18 @@ from nsa_common import NSAConfig, overlap_weights
 from pallas_kernels._common import (
     LOG2_E,
     MATMUL_MIN,
+    check_implementation,
     check_kernel_dtype,
     check_tile_sizes,
+    dot,
     matmul_dim,
     next_pow2,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
-from pallas_kernels.compressed_attention import (
-    _dot,
-    blocks_visible_to,
-    _group_view,
-    _kv_spec,
-    _pad_rows,
-    _reference_mask,
-    _row_spec,
-    _Tiling,
-    admissible,
-    check_inputs,
-    load_row_stats,
-    load_rows,
-    row_positions,
-)
+# The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
+# over tiles of compressed keys).
+import pallas_kernels._compressed_tiles as tiles
 
 # An index larger than any block index: marks empty slots of the running top-n.
 _NO_BLOCK = 2 ** 30
@@ -207,9 +196,9 @@ def _exact_dot(a, b, *, split: str):
     lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
     if split == "a":
         b = b.astype(jnp.bfloat16)
-        return _dot(hi, b) + _dot(lo, b)
+        return dot(hi, b) + dot(lo, b)
     a = a.astype(jnp.bfloat16)
-    return _dot(a, hi) + _dot(a, lo)
+    return dot(a, hi) + dot(a, lo)
 
 
 class _Scorer:
@@ -223,7 +212,7 @@ class _Scorer:
     is computed once). Steps whose compressed blocks every row of the tile sees whole need no
     mask (`n_bulk`)."""
 
-    def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: _Tiling, cmp_block: int,
+    def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: tiles.Tiling, cmp_block: int,
                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
                  block_sel: int, span: int, head_sum_dot: bool):
         self.k_ref, self.tiling, self.scale = k_ref, tiling, scale
@@ -241,21 +230,21 @@ class _Scorer:
         self.n_steps = lax.div(lax.div(last_query, jnp.int32(sel_block)),
                                jnp.int32(block_sel)) + 1
         # Steps whose `width` loaded blocks the first query sees: no mask, no empty rows.
-        seen_by_all = blocks_visible_to(first_query, **self.geometry)
+        seen_by_all = tiles.blocks_visible_to(first_query, **self.geometry)
         self.n_bulk = jnp.minimum(lax.div(jnp.maximum(seen_by_all - width, -span) + span,
                                           jnp.int32(span)), self.n_steps)
 
     def _hold_queries(self, q_ref, lse_ref, first_query):
         """The tile's (query, head) rows in registers, their lse, positions and padding."""
         tiling = self.tiling
-        self.q = load_rows(q_ref, first_query, tiling, tiling.d_k)
-        self.lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
-        self.position, self.real = row_positions(first_query, self.q_tile, tiling)
+        self.q = tiles.load_rows(q_ref, first_query, tiling, tiling.d_k)
+        self.lse2 = tiles.load_row_stats(lse_ref, tiling) * LOG2_E
+        self.position, self.real = tiles.row_positions(first_query, self.q_tile, tiling)
         if self.head_sum_dot:
             self.summer = self._summer(self.q_tile, tiling)
 
     @staticmethod
-    def _summer(q_tile: int, tiling: _Tiling):
+    def _summer(q_tile: int, tiling: tiles.Tiling):
         """[q_tile, rows] 0/1: sums a query's real heads (rows r = query * h_pad + head)."""
         rows = q_tile * tiling.h_pad
         i = lax.broadcasted_iota(jnp.int32, (q_tile, rows), 0)
@@ -271,7 +260,7 @@ class _Scorer:
         head-summed probabilities `[q_tile, width]` to carry into step k + 1)."""
         first_block = k * self.span
         keys = self.k_ref[pl.ds(first_block, self.width), :]
-        s2 = _dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
+        s2 = dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
         p = jnp.exp2(s2 - self.lse2[:, None])
         # A non-finite row (NaN in q or lse) must not reach the other queries of the tile
         # through `0 * NaN` in the head-sum product: it scores 0 instead.
@@ -279,7 +268,7 @@ class _Scorer:
         if masked:
             # Columns past `span` belong to the next step; their weight rows are zero here and in
             # `w_previous`, so only admissibility is masked.
-            p = jnp.where(admissible(self.position, self.real, first_block, self.width,
+            p = jnp.where(tiles.admissible(self.position, self.real, first_block, self.width,
                                      **self.geometry), p, 0.0)
         if self.head_sum_dot and self.q_tile >= MATMUL_MIN:
             # Padded heads get weight 0 in `summer`, also in unmasked steps where their p is not.
@@ -340,14 +329,14 @@ class _HeadLoopScorer(_Scorer):
         def add_head(head, p_sum):
             q = self.q_ref[:, head, :]
             lse2 = self.lse_ref[:, head] * LOG2_E
-            return p_sum + jnp.exp2(_dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
+            return p_sum + jnp.exp2(dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
 
         p_sum = lax.fori_loop(0, self.tiling.heads, add_head,
                               jnp.zeros((self.q_tile, self.width), jnp.float32))
         # A non-finite query (NaN in q or lse) scores 0 rather than reach the weighted sums.
         p_sum = jnp.where((p_sum == p_sum) & (p_sum < jnp.inf), p_sum, 0.0)
         if masked:
-            p_sum = jnp.where(admissible(self.position, self.real, first_block, self.width,
+            p_sum = jnp.where(tiles.admissible(self.position, self.real, first_block, self.width,
                                          **self.geometry), p_sum, 0.0)
         return self._force(k, self._weigh(p_sum, previous)), p_sum
 
@@ -443,15 +432,16 @@ def _top_n_pallas(score, n_sel: int, block_sizes: BlockSizes, interpret: bool):
     n_rows = pl.cdiv(rows.shape[0], per_program) * per_program
     rows = pad_axis(rows, 0, n_rows, value=-jnp.inf)
     n_sel_pad = next_pow2(n_sel)
-    idx = pl.pallas_call(
+    idx = pallas_call(
         functools.partial(_topn_kernel, n_sel=n_sel),
+        name="nsa_select_top_n",
+        num_warps=block_sizes.num_warps_topn,
+        num_stages=1,
+        interpret=interpret,
         grid=(n_rows // per_program,),
         in_specs=[pl.BlockSpec((per_program, n_cols), lambda r: (r, 0))],
         out_specs=pl.BlockSpec((per_program, n_sel_pad), lambda r: (r, 0)),
         out_shape=jax.ShapeDtypeStruct((n_rows, n_sel_pad), jnp.int32),
-        compiler_params=triton_compiler_params(block_sizes.num_warps_topn, 1),
-        interpret=interpret,
-        name="nsa_select_top_n",
     )(rows)
     return idx[:math.prod(lead), :n_sel].reshape(*lead, n_sel)
 
@@ -475,7 +465,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     B, T, H, d_k = q.shape
     G = k_cmp.shape[2]
     heads = H // G
-    tiling = _Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
+    tiling = tiles.Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
                      d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
     if block_sizes.layout == "heads":
         q_tile = block_sizes.block_queries
@@ -490,8 +480,8 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
                     block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot,
                     layout=block_sizes.layout)
-    q5 = _group_view(q, G)
-    lse4 = _group_view(lse.astype(jnp.float32), G)
+    q5 = tiles.group_view(q, G)
+    lse4 = tiles.group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":
         return _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpret)
 
@@ -527,30 +517,32 @@ def _select_fused(q5, k_pad, lse4, n_sel, q_tile, geometry, block_sizes, interpr
 
 
 def _query_tile_call(kernel, q5, k_pad, lse4, rows_pad: int, out_cols: int, out_dtype, *,
-                     q_tile: int, tiling: _Tiling, block_sizes: BlockSizes, interpret: bool,
+                     q_tile: int, tiling: tiles.Tiling, block_sizes: BlockSizes, interpret: bool,
                      name: str):
     """One program per (batch, query tile, KV group) over q5 `[B, n, G, h, d_k]` and lse4
     `[B, n, G, h]` (padded here to `rows_pad` queries; padded rows get lse +inf, so p = 0 there)
     and every compressed key of the group -> `[B, rows_pad, G, out_cols]` of `out_dtype`."""
     B, G = q5.shape[0], q5.shape[2]
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
+        name=name,
+        num_warps=block_sizes.num_warps,
+        num_stages=block_sizes.num_stages,
+        interpret=interpret,
         grid=(B, rows_pad // q_tile, G),
-        in_specs=[_row_spec(q_tile, tiling, tiling.dk_pad),
-                  _kv_spec(k_pad.shape[1], tiling.dk_pad),
-                  _row_spec(q_tile, tiling, None)],
+        in_specs=[tiles.row_spec(q_tile, tiling, tiling.dk_pad),
+                  tiles.kv_spec(k_pad.shape[1], tiling.dk_pad),
+                  tiles.row_spec(q_tile, tiling, None)],
         out_specs=pl.BlockSpec((None, q_tile, None, out_cols), lambda b, i, g: (b, i, g, 0)),
         out_shape=jax.ShapeDtypeStruct((B, rows_pad, G, out_cols), out_dtype),
-        compiler_params=triton_compiler_params(block_sizes.num_warps, block_sizes.num_stages),
-        interpret=interpret,
-        name=name,
-    )(_pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
-      _pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
+    )(tiles.pad_rows(q5, rows_pad, tiling, tiling.dk_pad), k_pad,
+      tiles.pad_rows(lse4, rows_pad, tiling, None, value=jnp.inf))
 
 
 def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: int, n_sel: int,
                   n_init: int, n_local: int, scale: Optional[float] = None,
-                  block_sizes: Optional[BlockSizes] = None, interpret: bool = False):
+                  block_sizes: Optional[BlockSizes] = None, interpret: bool = False,
+                  implementation: str = "triton"):
     """Selected blocks of every query and KV group (spec step 6), as a Pallas Triton kernel.
 
     Args:
@@ -561,16 +553,24 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
       cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local: l, d, l_sel and the selection
         counts of the spec (checked as `NSAConfig` checks them).
       scale: softmax scale, `1/sqrt(d_k)` when None. block_sizes: tiles (`BlockSizes()` when
-        None). interpret: run in Pallas' interpreter (CPU tests).
+        None). interpret: run in Pallas' interpreter (CPU tests). implementation: "triton"
+        (the Pallas Triton kernels) or "xla" (the reference below).
+
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
 
     Returns:
       `block_idx int32 [B, T, G, n_sel]`: the chosen selection blocks in ascending order, `-1`
       padded at the end. No gradient (the scores are computed under `stop_gradient`).
     """
-    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    check_implementation(implementation)
+    scale = tiles.check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                       n_sel=n_sel, n_init=n_init, n_local=n_local)
     _check_lse(lse, q)
+    if implementation == "xla":
+        return select_blocks_reference(q, k_cmp, lse, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                                       sel_block=sel_block, n_sel=n_sel, n_init=n_init,
+                                       n_local=n_local, scale=scale)
     check_kernel_dtype("select_blocks", q.dtype)
     if q.shape[0] == 0:  # no sequence: no grid to launch
         return jnp.full((0, q.shape[1], k_cmp.shape[2], n_sel), -1, jnp.int32)
@@ -578,8 +578,6 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a select_blocks.BlockSizes, got "
                          f"{type(block_sizes).__name__}")
-    if not interpret:
-        silence_triton_deprecation()
     q, k_cmp, lse = (lax.stop_gradient(x) for x in (q, k_cmp, lse))
     return _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_init,
                           n_local, scale, block_sizes, interpret)
@@ -597,21 +595,21 @@ def select_blocks_reference(q, k_cmp, lse=None, *, cmp_block: int, cmp_stride: i
     the log-sum-exp here. `q_offset` places the queries at `q_offset .. q_offset + T - 1` (to
     evaluate a long sequence a chunk of queries at a time). Memory O(B T H C): tests only.
     """
-    scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
+    scale = tiles.check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     cfg = _selection_config(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
                             n_sel=n_sel, n_init=n_init, n_local=n_local)
     if lse is not None:
         _check_lse(lse, q)
     B, T, H, _ = q.shape
     C, G = k_cmp.shape[1], k_cmp.shape[2]
-    qg = _group_view(lax.stop_gradient(q), G).astype(jnp.float32)
+    qg = tiles.group_view(lax.stop_gradient(q), G).astype(jnp.float32)
     s = jnp.einsum("btghd,bcgd->btghc", qg, lax.stop_gradient(k_cmp).astype(jnp.float32),
                    precision=lax.Precision.HIGHEST) * scale
-    mask = _reference_mask(T, C, cmp_block, cmp_stride, q_offset)[None, :, None, None, :]
+    mask = tiles.reference_mask(T, C, cmp_block, cmp_stride, q_offset)[None, :, None, None, :]
     if lse is None:
         lse = jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
     else:
-        lse = _group_view(lax.stop_gradient(lse), G).astype(jnp.float32)
+        lse = tiles.group_view(lax.stop_gradient(lse), G).astype(jnp.float32)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]
     p_cmp = jnp.where(mask, jnp.exp(jnp.where(mask, s, 0.0) - lse), 0.0)
 

@@ -32,22 +32,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (
     LOG2_E,
     LN_2,
+    MASK,
     check_implementation,
     check_kernel_dtype,
+    dot,
     matmul_dim,
     next_pow2,
+    online_softmax_finish,
+    online_softmax_init,
     pad_axis,
-    silence_triton_deprecation,
-    triton_compiler_params,
+    pallas_call,
 )
-
-# `dot` lives in the Triton module from jax 0.7 on; `pl.dot` is its deprecated alias.
-_pl_dot = getattr(pltriton, "dot", None) or pl.dot
 
 __all__ = [
     "BlockSizes",
@@ -135,16 +134,9 @@ class _Geometry:
 # Kernels
 # ------------------------------------------------------------------------------------------------
 
-# A finite "minus infinity" for masked logits: exp2(MASK - m) underflows to exactly 0 for any
-# real running max m, and MASK - MASK stays finite, so no mask pattern can produce a NaN.
-MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def _dot(a, b, trans_b=False):
-    # float32 operands multiply in full precision (Triton would otherwise use TF32, 1e-4-ish
-    # relative error, outside the spec's float32 tolerance); half precision is unaffected.
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return _pl_dot(a, b, trans_b=trans_b, precision=precision)
+# The products of these kernels, with the 16-bit lowering their GPU runs verified
+# (`_common.dot`'s `highest_16bit`).
+_dot = functools.partial(dot, highest_16bit=False)
 
 
 def _visit_bound(idx_ref):
@@ -187,15 +179,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l
 
-    init = (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, m, l = lax.fori_loop(0, _visit_bound(idx_ref), visit, init)
-    # A row that met no admissible key (only possible for invalid block_idx) still has the mask
-    # as its max: it gets o = 0 and lse = -inf, like the reference.
-    empty = m < 0.5 * MASK
-    l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / l_safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (m + jnp.log2(l_safe)) * LN_2)
+    carry = lax.fori_loop(0, _visit_bound(idx_ref), visit, online_softmax_init(rows, dv))
+    # A row that met no admissible key (only possible for invalid block_idx) gets o = 0 and
+    # lse = -inf, like the reference.
+    o, lse_log2 = online_softmax_finish(carry)
+    o_ref[...] = o.astype(o_ref.dtype)
+    lse_ref[...] = lse_log2 * LN_2
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, l_sel,
@@ -289,13 +278,6 @@ def _dkv_reduce_kernel(item_start_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref)
 # Wrappers
 # ------------------------------------------------------------------------------------------------
 
-def _pallas_call(kernel, *, name, num_warps, num_stages, interpret, debug, **kwargs):
-    if not interpret:
-        silence_triton_deprecation()
-    return pl.pallas_call(kernel, name=name, interpret=interpret, debug=debug,
-                          compiler_params=triton_compiler_params(num_warps, num_stages), **kwargs)
-
-
 def _group_rows(x: jax.Array, geo: _Geometry, d_pad: int) -> jax.Array:
     """[B, T, H, d] -> [B, T, G, h_pad, d_pad], zero rows for the padded heads."""
     x = x.reshape(geo.B, geo.T, geo.G, geo.h, x.shape[-1])
@@ -323,7 +305,7 @@ def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpre
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     rows, vec, kv, idx_spec = _token_specs(geo)
     kernel = functools.partial(_fwd_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
-    o, lse = _pallas_call(
+    o, lse = pallas_call(
         kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
         num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
         grid=(geo.T, geo.G, geo.B),
@@ -345,7 +327,7 @@ def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, 
     per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
     rows, vec, kv, idx_spec = _token_specs(geo)
     kernel = functools.partial(_dq_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
-    dq = _pallas_call(
+    dq = pallas_call(
         kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
         num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
         grid=(geo.T, geo.G, geo.B),
@@ -428,7 +410,7 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
                                        lambda w, g, b: (b, g, w, 0, 0))
     kernel = functools.partial(_dkv_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
                                h=geo.h, H=H, rows=rows)
-    dk_part, dv_part = _pallas_call(
+    dk_part, dv_part = pallas_call(
         kernel, name="nsa_selected_attention_dkv", num_warps=bs.num_warps_dkv,
         num_stages=bs.num_stages_dkv, interpret=interpret, debug=debug,
         grid=(n_items, G, B),
@@ -444,7 +426,7 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
                                         lambda j, g, b: (b, g, 0, 0, 0))
     out_spec = lambda d: pl.BlockSpec((None, None, geo.tile, None, d),
                                       lambda j, g, b: (b, j, 0, g, 0))
-    dk, dv = _pallas_call(
+    dk, dv = pallas_call(
         _dkv_reduce_kernel, name="nsa_selected_attention_dkv_reduce", num_warps=4, num_stages=1,
         interpret=interpret, debug=debug, grid=(nb, G, B),
         in_specs=[pl.BlockSpec((None, None, nb + 1), lambda j, g, b: (b, g, 0)),
