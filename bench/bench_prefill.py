@@ -419,12 +419,12 @@ def torch_backends(args) -> dict[str, str]:
 
 
 def run_nsa_torch(args, S: int, fla_like: bool, row: str):
-    """nsa_torch_ref's branches through its dispatch, composed as `nsa_torch_ref.nsa_forward`
-    composes them between its projections and its gates (nsa_torch_ref has no function of the
-    core alone, as nsa_jax.native_sparse_attention is: this composition stands in for it)."""
+    """nsa_torch_ref's attention core (`nsa_torch_ref.native_sparse_attention`: compression,
+    selection and the three branches through its dispatch, then the gates), the counterpart of
+    the nsa_jax core rows."""
     torch, device, dtype = common.torch_device(args)
     try:
-        from nsa_torch_ref import compress_kv, dispatch, select_blocks
+        from nsa_torch_ref import dispatch, native_sparse_attention
     except ImportError as exc:
         raise Skip(f"nsa_torch_ref not importable ({exc})") from None
     cfg = fla_config(args.cfg) if fla_like else args.cfg
@@ -434,17 +434,12 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
     names = ("pos", "w1", "b1", "w2", "b2")
 
     def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, *cmp_tensors):
-        k_cmp = compress_kv(k_cmp_in, dict(zip(names, cmp_tensors[:5])) if mlp else None, cfg)
-        v_cmp = compress_kv(v_cmp_in, dict(zip(names, cmp_tensors[5:])) if mlp else None, cfg)
-        o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
-        with torch.no_grad():
-            block_idx = select_blocks(q.detach(), k_cmp.detach(), cfg)
-        o_sel = kernels["selected_attention"](q, k_sel, v_sel, block_idx, cfg.sel_block)
-        o_win = kernels["sliding_window_attention"](q, k_win, v_win, cfg.window)
-        gates = torch.sigmoid(gate_logits.float())
-        o = gates[..., 0:1] * o_cmp.float() + gates[..., 1:2] * o_sel.float() \
-            + gates[..., 2:3] * o_win.float()
-        return o.to(q.dtype)
+        cmp_params = ({"cmp_k": dict(zip(names, cmp_tensors[:5])),
+                       "cmp_v": dict(zip(names, cmp_tensors[5:]))} if mlp else None)
+        return native_sparse_attention(q, {"cmp": k_cmp_in, "sel": k_sel, "win": k_win},
+                                       {"cmp": v_cmp_in, "sel": v_sel, "win": v_win},
+                                       gate_logits, cfg, cmp_params=cmp_params,
+                                       gates_are_logits=True, kernels=kernels)
 
     B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
 

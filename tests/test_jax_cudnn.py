@@ -102,7 +102,7 @@ def test_cpu_never_takes_cudnn():
 @pytest.mark.parametrize("d_k,d_v", [(128, 128), (192, 128)])
 def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     """cuDNN (folded) against the Pallas kernel on the layer's shapes, o / lse / gradients, bf16."""
-    import pallas_kernels.compressed_attention as kernel
+    from pallas_kernels import compressed_attention as pallas_compressed_attention
 
     cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
     B, T, H, G = 1, 4096, 16, 2
@@ -116,7 +116,7 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
         return (o, lse, *pullback((do, jnp.zeros_like(lse))))
 
     got = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale))
-    want = run(lambda q, k, v: kernel.compressed_attention(
+    want = run(lambda q, k, v: pallas_compressed_attention(
         q, k, v, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale))
     l = cfg.cmp_block
     assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
