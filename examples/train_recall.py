@@ -731,13 +731,26 @@ def parse_args(argv=None):
                             help=f"{HELP.get(name, '')} (preset value if omitted; gpu: "
                                  f"{value!r})".lstrip())
     args = parser.parse_args(argv)
-    for name, value in PRESETS[args.preset].items():
+    preset = PRESETS[args.preset]
+    curriculum_given = args.curriculum is not None
+    for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.shift not in SHIFTS:
         parser.error(f"--shift ({args.shift!r}) must be one of {SHIFTS}")
+    if not curriculum_given:
+        args.curriculum = fit_curriculum(args.curriculum, preset["steps"], args.steps, args.T)
     parse_curriculum(args.curriculum, args.steps)
     return args
+
+
+def fit_curriculum(text: str, preset_steps: int, steps: int, T: int) -> str:
+    """The preset's curriculum for another --steps / --T (e.g. the runner's showcase, T 1024 in
+    400 steps): stage ends scaled by steps / preset_steps, stages not shorter than T dropped."""
+    stages = [(t, max(1, round(until * steps / preset_steps)))
+              for t, until in parse_curriculum(text, preset_steps) if t < T]
+    kept = [stage for i, stage in enumerate(stages) if i == 0 or stage[1] > stages[i - 1][1]]
+    return ",".join(f"{t}:{until}" for t, until in kept if until < steps)
 
 
 def build_runs(args) -> tuple[list[Run], Vocab]:

@@ -151,6 +151,11 @@ def test_curriculum_stages():
         except ValueError:
             continue
         raise AssertionError(bad)
+    # The preset's curriculum follows other --steps / --T (the runner's showcase: T 1024, 400).
+    args = train_recall.parse_args(["--out", "x", "--T", "1024", "--steps", "400"])
+    assert args.curriculum == "512:133"
+    assert train_recall.parse_args(["--out", "x"]).curriculum == "512:400,1024:800"
+    assert train_recall.parse_args(["--out", "x", "--curriculum", ""]).curriculum == ""
 
 
 def test_smoke_curriculum_no_rope_shift_all_models(tmp_path):
