@@ -211,6 +211,9 @@ VARIANTS = {
     "shared_kv": Variant("shared_kv", shared_kv=True),
     # Shared K/V and mean pooling: a compressed key is the mean of the block's own keys.
     "mean_shared": Variant("mean_shared", compress="mean", shared_kv=True),
+    # A diagnostic, not a fix: the selected branch alone (gates start at 0.98 / 0.02), so with
+    # n_sel covering every block NSA is full attention with its own projections and gates.
+    "sel_only": Variant("sel_only", gate_bias=(-4.0, 4.0, -4.0)),
 }
 
 

@@ -75,6 +75,7 @@ def test_gate_bias_variant_sets_the_sel_gate():
     params = train_recall.init_model(jax.random.PRNGKey(0), mc, train_recall.VARIANTS["sel_gate"])
     bg = np.asarray(params["blocks"][0]["attn"]["bg"]).reshape(cfg.n_heads, 3)
     np.testing.assert_array_equal(bg, np.tile([0.0, 2.0, 0.0], (cfg.n_heads, 1)))
+    assert train_recall.VARIANTS["sel_only"].gate_bias == (-4.0, 4.0, -4.0)
 
 
 def test_smoke_run_learns_and_decodes(tmp_path):
