@@ -108,18 +108,47 @@ def pair_region(task: Task, T: int, cfg: NSAConfig) -> tuple[int, int]:
     return lo, hi
 
 
+SHIFTS = ("none", "half", "edge")
+
+
+def pair_slots(task: Task, T: int, cfg: NSAConfig, shift: str = "none") -> np.ndarray:
+    """Positions a key may take (its value follows it) for `shift`, the key's place in its
+    selection block (`l_sel` tokens):
+    - "none": any even offset of the pair region (lo is a multiple of l_sel, so a key and its
+      value share a selection block); a key at offset 0 shares compressed blocks (stride d)
+      with the previous selection block;
+    - "half": offset l_sel / 2, one pair per selection block: every compressed block that
+      covers the key lies inside the key's selection block (l <= l_sel / 2);
+    - "edge": offset l_sel - 2 (the value ends the block): the compressed blocks covering the
+      key reach into the next selection block, which their score also feeds.
+    """
+    lo, hi = pair_region(task, T, cfg)
+    if shift == "none":
+        return np.arange(lo, hi - 1, 2)
+    if shift not in SHIFTS:
+        raise ValueError(f"shift ({shift!r}) must be one of {SHIFTS}")
+    offset = cfg.sel_block // 2 if shift == "half" else cfg.sel_block - 2
+    starts = np.arange(lo, hi, cfg.sel_block) + offset
+    slots = starts[starts + 1 < hi]
+    if len(slots) < task.n_pairs:
+        raise ValueError(f"shift {shift!r} at T = {T} leaves {len(slots)} selection blocks for "
+                         f"{task.n_pairs} pairs; raise T")
+    return slots
+
+
 def make_batch(rng: np.random.Generator, task: Task, vocab: Vocab, B: int, T: int,
-               cfg: NSAConfig) -> dict[str, np.ndarray]:
+               cfg: NSAConfig, shift: str = "none") -> dict[str, np.ndarray]:
     """-> tokens int32 `[B, T]`, answers int32 `[B, n_queries]` (the value each query must
-    produce), key_pos int32 `[B, n_queries]` (where the queried key sits in the context)."""
+    produce), key_pos int32 `[B, n_queries]` (where the queried key sits in the context).
+    `shift`: where keys sit in their selection blocks (`pair_slots`)."""
     if task.n_pairs > vocab.n_keys:
         raise ValueError(f"{task.n_pairs} pairs need as many distinct keys (n_keys = "
                          f"{vocab.n_keys})")
-    lo, hi = pair_region(task, T, cfg)
+    candidates = pair_slots(task, T, cfg, shift)
     tokens = rng.integers(0, vocab.n_filler, (B, T))
     rows = np.arange(B)[:, None]
-    slots = np.argsort(rng.random((B, (hi - lo) // 2)), axis=1)[:, :task.n_pairs]
-    key_pos = lo + 2 * slots                                                  # [B, P]
+    slots = np.argsort(rng.random((B, len(candidates))), axis=1)[:, :task.n_pairs]
+    key_pos = candidates[slots]                                               # [B, P]
     keys = vocab.first_key + np.argsort(rng.random((B, vocab.n_keys)), axis=1)[:, :task.n_pairs]
     values = vocab.first_value + rng.integers(0, vocab.n_values, (B, task.n_pairs))
     tokens[rows, key_pos] = keys
@@ -159,6 +188,7 @@ class Variant:
     cmp_lr_mult: float = 1.0  # learning-rate multiplier of wk/wv["cmp"] and cmp_k / cmp_v
     n_sel_mult: int = 1  # n_sel = n_sel_mult x the base n_sel
     compress: Optional[str] = None  # "mean": parameter-free compression (as fla's NSA)
+    shared_kv: bool = False  # one K/V projection for the three branches (NSAConfig.shared_kv)
 
 
 VARIANTS = {
@@ -175,6 +205,15 @@ VARIANTS = {
     "small_cmp_init": Variant("small_cmp_init", cmp_init_scale=0.1),
     # The two fixes that need no new learning rate, together.
     "mean_sel_gate": Variant("mean_sel_gate", compress="mean", gate_bias=(0.0, 2.0, 0.0)),
+    # The compressed keys learn from the selected and window branches' gradients too: one K/V
+    # projection serves the three branches, so the key direction the selected branch needs is
+    # the one the compression (and so the ranking) sees.
+    "shared_kv": Variant("shared_kv", shared_kv=True),
+    # Shared K/V and mean pooling: a compressed key is the mean of the block's own keys.
+    "mean_shared": Variant("mean_shared", compress="mean", shared_kv=True),
+    # A diagnostic, not a fix: the selected branch alone (gates start at 0.98 / 0.02), so with
+    # n_sel covering every block NSA is full attention with its own projections and gates.
+    "sel_only": Variant("sel_only", gate_bias=(-4.0, 4.0, -4.0)),
 }
 
 
@@ -182,6 +221,8 @@ def variant_cfg(cfg: NSAConfig, variant: Variant) -> NSAConfig:
     changes: dict[str, Any] = {"n_sel": cfg.n_sel * variant.n_sel_mult}
     if variant.compress is not None:
         changes["compress"] = variant.compress
+    if variant.shared_kv:
+        changes["shared_kv"] = True
     return cfg.replace(**changes)
 
 
@@ -235,10 +276,11 @@ def dense_attention(attn: dict, x: jax.Array, mc: ModelConfig) -> jax.Array:
     cfg = mc.nsa
     B, T, _ = x.shape
     positions = jnp.arange(T, dtype=jnp.int32)
-    q = nsa_jax.apply_rope((x @ attn["wq"]).reshape(B, T, cfg.n_heads, cfg.d_k), positions,
-                           cfg.rope_theta)
-    k = nsa_jax.apply_rope((x @ attn["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.d_k), positions,
-                           cfg.rope_theta)
+    q = (x @ attn["wq"]).reshape(B, T, cfg.n_heads, cfg.d_k)
+    k = (x @ attn["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.d_k)
+    if cfg.rope_theta is not None:
+        q = nsa_jax.apply_rope(q, positions, cfg.rope_theta)
+        k = nsa_jax.apply_rope(k, positions, cfg.rope_theta)
     v = (x @ attn["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.d_v)
     # (w - 1, 0): query t sees keys t-w+1 .. t, NSA's window branch exactly.
     window = (cfg.window - 1, 0) if mc.attention == "window" else None
@@ -305,13 +347,55 @@ def learning_rate(step: int, lr: float, warmup: int, steps: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def grad_norms(grads: dict, mc: ModelConfig) -> dict:
+    """Per NSA layer i, the gradient norms that say whether the ranking can learn:
+    `l{i}_gk_{name}` (the key projection of each K/V set: cmp / sel / win, or shared),
+    `l{i}_g_cmp_mlp` (cmp_k's MLP and positions), `l{i}_g_gate` (wg, bg), `l{i}_g_wq`."""
+    out = {}
+    if mc.attention != "nsa":
+        return out
+    norm = optax.tree.norm
+    for i, blk in enumerate(grads["blocks"]):
+        attn = blk["attn"]
+        for name, g in attn["wk"].items():
+            out[f"l{i}_gk_{name}"] = norm(g)
+        if "cmp_k" in attn:
+            out[f"l{i}_g_cmp_mlp"] = norm(attn["cmp_k"])
+        out[f"l{i}_g_gate"] = norm((attn["wg"], attn["bg"]))
+        out[f"l{i}_g_wq"] = norm(attn["wq"])
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("mc", "task"))
 def train_step(params, opt_state, tokens, answers, lr, mults, *, mc: ModelConfig, task: Task):
     (loss, acc), grads = jax.value_and_grad(loss_and_accuracy, has_aux=True)(
         params, tokens, answers, mc, task)
     updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
     params = jax.tree_util.tree_map(lambda p, u, m: p - lr * m * u, params, updates, mults)
-    return params, opt_state, loss, acc
+    return params, opt_state, loss, grad_norms(grads, mc)
+
+
+def parse_curriculum(text: str, steps: int) -> list[tuple[int, int]]:
+    """`"512:400,1024:800"` -> [(512, 400), (1024, 800)]: sequences of 512 tokens for steps
+    [0, 400), of 1024 for [400, 800), then the run's T to the end. Each number after the colon
+    is the step at which that stage ends (cumulative), so `--steps` stays the total."""
+    stages, end = [], 0
+    for item in filter(None, (text or "").split(",")):
+        T, _, until = item.partition(":")
+        if not until:
+            raise ValueError(f"curriculum stage {item!r} must be T:until_step")
+        stage = (int(T), int(until))
+        if stage[1] <= end or stage[1] > steps:
+            raise ValueError(f"curriculum ({text!r}): stage ends must rise within --steps "
+                             f"({steps})")
+        stages.append(stage)
+        end = stage[1]
+    return stages
+
+
+def length_at(step: int, stages: list[tuple[int, int]], T: int) -> int:
+    """The training sequence length at `step` under the curriculum `stages`."""
+    return next((t for t, until in stages if step < until), T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,42 +548,54 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
     seed = args.seed + 1000 * sorted(make_tasks(args.mqar_pairs)).index(task.name)
     data_rng = np.random.default_rng(seed)
     eval_batch = make_batch(np.random.default_rng(seed + 1), task, vocab, args.eval_batch, args.T,
-                            mc.nsa)
+                            mc.nsa, args.shift)
     eval_arrays = [jnp.asarray(eval_batch[k]) for k in ("tokens", "answers", "key_pos")]
     params = init_model(jax.random.PRNGKey(args.seed), mc, run.variant)
     mults = lr_multipliers(params, run.variant)
     opt_state = OPTIMIZER.init(params)
 
+    stages = parse_curriculum(args.curriculum, args.steps)
     rows, t_begin = [], time.perf_counter()
-    train_s, compile_s, losses, step = 0.0, 0.0, [], 0
+    train_s, compile_s, losses, norms, step = 0.0, 0.0, [], [], 0
     for step in range(args.steps):
-        batch = make_batch(data_rng, task, vocab, args.batch, args.T, mc.nsa)
+        T = length_at(step, stages, args.T)
+        batch = make_batch(data_rng, task, vocab, args.batch, T, mc.nsa, args.shift)
         lr = learning_rate(step, args.lr, args.warmup, args.steps)
+        new_length = step == 0 or T != length_at(step - 1, stages, args.T)
+        if new_length and step > 0:
+            # A new sequence length compiles a new step: keep that out of the training time.
+            jax.block_until_ready(params)
+            train_s += time.perf_counter() - t_mark
         t0 = time.perf_counter()
-        params, opt_state, loss, _ = train_step(params, opt_state, batch["tokens"],
-                                                batch["answers"], jnp.float32(lr), mults,
-                                                mc=mc, task=task)
+        params, opt_state, loss, norm = train_step(params, opt_state, batch["tokens"],
+                                                   batch["answers"], jnp.float32(lr), mults,
+                                                   mc=mc, task=task)
         losses.append(loss)
-        if step == 0:
-            # The first step compiles; it is not part of the training time.
+        norms.append(norm)
+        if new_length:
+            # The first step at each length compiles; it is not part of the training time.
             loss.block_until_ready()
-            compile_s = time.perf_counter() - t0
+            compile_s += time.perf_counter() - t0
             t_mark = time.perf_counter()
         last = step == args.steps - 1 or time.perf_counter() - t_begin > limit_s
         if step % args.eval_every == 0 or last:
             jax.block_until_ready(params)
-            if step > 0:
+            if step > 0 and not new_length:
                 train_s += time.perf_counter() - t_mark
             stats = {k: float(v) for k, v in
                      evaluate(params, *eval_arrays, mc=mc, task=task).items()}
             train_loss = float(jnp.mean(jnp.stack(losses)))
-            losses = []
-            rows.append(dict(task=task.name, model=run.label, step=step + 1,
+            grads = {k: float(np.mean([n[k] for n in norms])) for k in norms[0]}
+            losses, norms = [], []
+            rows.append(dict(task=task.name, model=run.label, step=step + 1, T=T,
                              train_s=round(train_s, 3), train_loss=train_loss,
-                             eval_loss=stats.pop("loss"), eval_acc=stats.pop("acc"), **stats))
-            log(f"  {task.name:6s} {run.label:18s} step {step + 1:5d}  loss {train_loss:.3f}  "
-                f"acc {rows[-1]['eval_acc']:.3f}  " + "  ".join(
-                    f"{k} {v:.2f}" for k, v in stats.items() if not k.endswith("_uniform")))
+                             eval_loss=stats.pop("loss"), eval_acc=stats.pop("acc"), **stats,
+                             **grads))
+            log(f"  {task.name:6s} {run.label:18s} step {step + 1:5d}  T {T:5d}  loss "
+                f"{train_loss:.3f}  acc {rows[-1]['eval_acc']:.3f}  " + "  ".join(
+                    f"{k} {v:.2f}" for k, v in stats.items() if not k.endswith("_uniform"))
+                + ("  grad " + " ".join(f"{k} {v:.2g}" for k, v in grads.items())
+                   if grads else ""))
             t_mark = time.perf_counter()
             if not math.isfinite(train_loss) or last:
                 break
@@ -588,21 +684,34 @@ def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
 # Command line
 # ---------------------------------------------------------------------------------------------
 PRESETS = {
-    # GPU: T 2048, the issue's model (d_model 256, H 8, G 2, d 32) with the paper's block ratios.
-    "gpu": dict(T=2048, batch=16, steps=1000, eval_every=100, lr=2e-3, warmup=100,
+    # GPU: T 2048, the issue's model (d_model 256, H 8, G 2, d 32) with the paper's block ratios;
+    # MQAR with 32 pairs over 16 values, a curriculum (T 512 to step 400, 1024 to step 800, then
+    # 2048), 1200 steps; sized for `--tasks mqar --models full,window,nsa --variants
+    # default,sel_gate` (4 runs) within --budget_s 280 on one H100.
+    "gpu": dict(T=2048, batch=16, steps=1200, eval_every=100, lr=3e-3, warmup=100,
                 d_model=256, n_layers=2, heads=8, kv_heads=2, head_dim=32, cmp_block=32,
-                cmp_stride=16, sel_block=64, n_sel=8, window=128, budget_s=300.0,
-                backend="pallas,xla", decode_backend="pallas"),
+                cmp_stride=16, sel_block=64, n_sel=8, window=128, mqar_pairs=32, n_values=16,
+                curriculum="512:400,1024:800", shift="none", rope_theta=10000.0,
+                budget_s=280.0, backend="pallas,xla", decode_backend="pallas"),
     # CPU: a few minutes at T 256 (the same ratios, 4x smaller blocks).
     "cpu": dict(T=256, batch=16, steps=400, eval_every=50, lr=3e-3, warmup=50,
                 d_model=64, n_layers=2, heads=4, kv_heads=2, head_dim=16, cmp_block=8,
-                cmp_stride=4, sel_block=16, n_sel=4, window=32, budget_s=600.0,
+                cmp_stride=4, sel_block=16, n_sel=4, window=32, mqar_pairs=8, n_values=64,
+                curriculum="", shift="none", rope_theta=10000.0, budget_s=600.0,
                 backend="xla", decode_backend="xla"),
     # The test suite's smoke: seconds.
     "smoke": dict(T=128, batch=8, steps=6, eval_every=3, lr=1e-2, warmup=1,
                   d_model=32, n_layers=1, heads=2, kv_heads=1, head_dim=8, cmp_block=8,
-                  cmp_stride=4, sel_block=16, n_sel=4, window=16, budget_s=120.0,
+                  cmp_stride=4, sel_block=16, n_sel=4, window=16, mqar_pairs=8, n_values=64,
+                  curriculum="", shift="none", rope_theta=10000.0, budget_s=120.0,
                   backend="xla", decode_backend="xla"),
+}
+HELP = {
+    "curriculum": "T:until_step,... train shorter sequences first, e.g. 512:400,1024:800 "
+                  "(T 512 to step 400, 1024 to 800, then --T); empty: none",
+    "shift": f"where keys sit in their selection block, one of {SHIFTS} (pair_slots)",
+    "rope_theta": "RoPE base of every model; 0: no RoPE",
+    "budget_s": "wall-clock limit of the whole script (compiles included), shared among runs",
 }
 
 
@@ -615,8 +724,6 @@ def parse_args(argv=None):
                         help=f"comma list of {ATTENTIONS}")
     parser.add_argument("--variants", default="default",
                         help=f"NSA variants, comma list of {sorted(VARIANTS)}")
-    parser.add_argument("--mqar_pairs", type=int, default=8)
-    parser.add_argument("--n_values", type=int, default=64, help="value vocabulary (chance 1/n)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_batch", type=int, default=64)
     parser.add_argument("--gen_batch", type=int, default=8)
@@ -624,12 +731,29 @@ def parse_args(argv=None):
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():
         parser.add_argument(f"--{name}", type=type(value), default=None,
-                            help=f"preset value if omitted (gpu: {value})")
+                            help=f"{HELP.get(name, '')} (preset value if omitted; gpu: "
+                                 f"{value!r})".lstrip())
     args = parser.parse_args(argv)
-    for name, value in PRESETS[args.preset].items():
+    preset = PRESETS[args.preset]
+    curriculum_given = args.curriculum is not None
+    for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.shift not in SHIFTS:
+        parser.error(f"--shift ({args.shift!r}) must be one of {SHIFTS}")
+    if not curriculum_given:
+        args.curriculum = fit_curriculum(args.curriculum, preset["steps"], args.steps, args.T)
+    parse_curriculum(args.curriculum, args.steps)
     return args
+
+
+def fit_curriculum(text: str, preset_steps: int, steps: int, T: int) -> str:
+    """The preset's curriculum for another --steps / --T (e.g. the runner's showcase, T 1024 in
+    400 steps): stage ends scaled by steps / preset_steps, stages not shorter than T dropped."""
+    stages = [(t, max(1, round(until * steps / preset_steps)))
+              for t, until in parse_curriculum(text, preset_steps) if t < T]
+    kept = [stage for i, stage in enumerate(stages) if i == 0 or stage[1] > stages[i - 1][1]]
+    return ",".join(f"{t}:{until}" for t, until in kept if until < steps)
 
 
 def build_runs(args) -> tuple[list[Run], Vocab]:
@@ -638,7 +762,7 @@ def build_runs(args) -> tuple[list[Run], Vocab]:
     cfg = NSAConfig(d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
                     d_k=args.head_dim, d_v=args.head_dim, cmp_block=args.cmp_block,
                     cmp_stride=args.cmp_stride, sel_block=args.sel_block, n_sel=args.n_sel,
-                    window=args.window)
+                    window=args.window, rope_theta=args.rope_theta if args.rope_theta > 0 else None)
     backend = tuple(args.backend.split(","))
     runs = []
     for name in args.tasks.split(","):
@@ -670,7 +794,8 @@ def main(argv=None) -> list[dict]:
         lines.append(text)
 
     log(f"devices {jax.devices()}; {len(runs)} runs, T {args.T}, batch {args.batch}, "
-        f"steps {args.steps}, budget {args.budget_s:.0f} s")
+        f"steps {args.steps}, curriculum {args.curriculum or 'none'}, shift {args.shift}, "
+        f"rope_theta {args.rope_theta or 'off'}, budget {args.budget_s:.0f} s")
     t_begin = time.perf_counter()
     curves, summaries = {}, []
     for i, run in enumerate(runs):

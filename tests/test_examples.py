@@ -75,6 +75,7 @@ def test_gate_bias_variant_sets_the_sel_gate():
     params = train_recall.init_model(jax.random.PRNGKey(0), mc, train_recall.VARIANTS["sel_gate"])
     bg = np.asarray(params["blocks"][0]["attn"]["bg"]).reshape(cfg.n_heads, 3)
     np.testing.assert_array_equal(bg, np.tile([0.0, 2.0, 0.0], (cfg.n_heads, 1)))
+    assert train_recall.VARIANTS["sel_only"].gate_bias == (-4.0, 4.0, -4.0)
 
 
 def test_smoke_run_learns_and_decodes(tmp_path):
@@ -105,3 +106,73 @@ def test_variants_change_the_nsa_config():
     assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["default"]) == cfg
     assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["nsel_x2"]).n_sel == 2 * cfg.n_sel
     assert train_recall.variant_cfg(cfg, train_recall.VARIANTS["mean_cmp"]).compress == "mean"
+    shared = train_recall.variant_cfg(cfg, train_recall.VARIANTS["shared_kv"])
+    assert shared.shared_kv and shared.compress == "mlp"
+    mean_shared = train_recall.variant_cfg(cfg, train_recall.VARIANTS["mean_shared"])
+    assert mean_shared.shared_kv and mean_shared.compress == "mean"
+    mc = train_recall.ModelConfig("nsa", mean_shared, vocab_size=20, n_layers=1)
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc,
+                                     train_recall.VARIANTS["mean_shared"])
+    assert set(params["blocks"][0]["attn"]["wk"]) == {"shared"}
+    assert "cmp_k" not in params["blocks"][0]["attn"]
+
+
+def test_shift_places_keys_in_their_selection_block():
+    cfg = NSAConfig.tiny(window=32)
+    vocab = train_recall.Vocab()
+    task = train_recall.Task("mqar", n_pairs=3, n_queries=3)
+    T = 256
+    for shift, offset in (("half", cfg.sel_block // 2), ("edge", cfg.sel_block - 2)):
+        batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 16, T, cfg, shift)
+        key_pos = batch["key_pos"]
+        assert (key_pos % cfg.sel_block == offset).all(), shift
+        # Still beyond the window and the forced blocks, the value in the key's block.
+        first_query = T - task.tail
+        assert (first_query - (key_pos + 1) >= cfg.window).all()
+        assert ((key_pos + 1) // cfg.sel_block == key_pos // cfg.sel_block).all()
+        assert (key_pos >= cfg.n_init * cfg.sel_block).all()
+    # "none" draws exactly the batches it drew before the option existed.
+    old = train_recall.make_batch(np.random.default_rng(1), task, vocab, 4, T, cfg)
+    lo, hi = train_recall.pair_region(task, T, cfg)
+    rng = np.random.default_rng(1)
+    rng.integers(0, vocab.n_filler, (4, T))
+    slots = np.argsort(rng.random((4, (hi - lo) // 2)), axis=1)[:, :task.n_pairs]
+    np.testing.assert_array_equal(np.sort(old["key_pos"], 1), np.sort(lo + 2 * slots, 1))
+
+
+def test_curriculum_stages():
+    stages = train_recall.parse_curriculum("512:400,1024:800", 1200)
+    assert stages == [(512, 400), (1024, 800)]
+    assert [train_recall.length_at(s, stages, 2048) for s in (0, 399, 400, 799, 800, 1199)] == [
+        512, 512, 1024, 1024, 2048, 2048]
+    assert train_recall.parse_curriculum("", 10) == []
+    for bad in ("512", "512:400,1024:300", "512:2000"):
+        try:
+            train_recall.parse_curriculum(bad, 1200)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
+    # The preset's curriculum follows other --steps / --T (the runner's showcase: T 1024, 400).
+    args = train_recall.parse_args(["--out", "x", "--T", "1024", "--steps", "400"])
+    assert args.curriculum == "512:133"
+    assert train_recall.parse_args(["--out", "x"]).curriculum == "512:400,1024:800"
+    assert train_recall.parse_args(["--out", "x", "--curriculum", ""]).curriculum == ""
+
+
+def test_smoke_curriculum_no_rope_shift_all_models(tmp_path):
+    # Curriculum (T 64 for 2 steps, then 128), RoPE off, keys mid-block, the three models and a
+    # shared-K/V NSA: every run trains and the NSA one records its gradient norms.
+    summaries = train_recall.main([
+        "--preset", "smoke", "--tasks", "needle", "--models", "full,window,nsa",
+        "--variants", "mean_shared", "--steps", "4", "--eval_every", "2", "--curriculum",
+        "64:2", "--rope_theta", "0", "--shift", "half", "--gen_tokens", "2", "--gen_batch", "2",
+        "--budget_s", "1e5", "--out", str(tmp_path)])
+    assert [s["model"] for s in summaries] == ["full", "window", "nsa:mean_shared"]
+    assert all(s["steps"] == 4 and math.isfinite(s["final_loss"]) for s in summaries)
+    assert summaries[-1]["gen_match"] == 1.0
+    with open(tmp_path / "curves.csv", newline="") as f:
+        curve = [r for r in csv.DictReader(f) if r["model"] == "nsa:mean_shared"]
+    assert [int(r["T"]) for r in curve] == [64, 128, 128]
+    assert float(curve[-1]["l0_gk_shared"]) > 0.0
+    with open(tmp_path / "stats.json") as f:
+        assert json.load(f)["runs"][-1]["nsa"]["rope_theta"] is None
