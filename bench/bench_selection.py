@@ -278,43 +278,32 @@ def sweep(args) -> list[dict]:
 
 
 def breakdown(args) -> list[dict]:
-    """The stages of forward+backward timed apart at the largest S. The kernel has no public
-    entry per stage: this reaches into pallas_kernels.selected_attention's private ones, and
-    breaks (loudly) when they change."""
-    import importlib
-
+    """The stages of forward+backward timed apart at the largest S, through the kernel's
+    `selected_attention_stages` (the functions `selected_attention` runs)."""
     import jax
     import jax.numpy as jnp
 
-    # The module (the package's `selected_attention` is the function).
-    sa = importlib.import_module("pallas_kernels.selected_attention")
+    from pallas_kernels.selected_attention import selected_attention_stages
 
     T = max(args.S)
     q, k, v, do, block_idx = make_inputs(T, args, seed=T + 1)
-    geo = sa._validate(q, k, v, block_idx, args.cfg.sel_block)
-    scale, block_sizes = args.cfg.scale, sa.BlockSizes()
-    rest = (geo, scale, block_sizes, args.interpret, False)
-    o, lse = jax.block_until_ready(jax.jit(
-        lambda q, k, v: sa._forward(q, k, v, block_idx, *rest))(q, k, v))
+    stages = selected_attention_stages(q, k, v, block_idx, args.cfg.sel_block, args.cfg.scale,
+                                       interpret=args.interpret)
+    o, lse = jax.block_until_ready(jax.jit(stages.forward)(q, k, v))
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-    chunk = sa._dkv_chunk(geo, block_sizes)
     pieces = (
-        ("forward kernel", lambda q, k, v: sa._forward(q, k, v, block_idx, *rest), (q, k, v)),
-        ("dq kernel", lambda q, k, v: sa._backward_dq(q, k, v, block_idx, do, lse, delta, *rest),
-         (q, k, v)),
-        ("inverse index (XLA)",
-         lambda idx: sa._inverse_index(idx, geo, chunk, pad=max(block_sizes.dkv_rows, 16)),
-         (block_idx,)),
+        ("forward kernel", stages.forward, (q, k, v)),
+        ("dq kernel", lambda q, k, v: stages.backward_dq(q, k, v, do, lse, delta), (q, k, v)),
+        ("inverse index (XLA)", stages.inverse_index, (block_idx,)),
         ("dk/dv kernels + reduce (incl. index)",
-         lambda q, k, v: sa._backward_dkv(q, k, v, block_idx, do, lse, delta, *rest), (q, k, v)),
+         lambda q, k, v: stages.backward_dkv(q, k, v, do, lse, delta), (q, k, v)),
     )
     rows = []
     for name, fn, fn_args in pieces:
         ms = _ms(fn, fn_args, args).ms
         rows.append({"T": T, "piece": name, "median_ms": ms})
         print(f"  {name:>38}: {ms:8.3f} ms", flush=True)
-    n_items = geo.n_blocks + -(-T * geo.n_sel // chunk)
-    print(f"  dk/dv work items per (b, g): {n_items} (chunk {chunk})")
+    print(f"  dk/dv work items per (b, g): {stages.dkv_work_items}")
     return rows
 
 

@@ -6,6 +6,8 @@ from nsa_common.config import NSAConfig
 from nsa_common.layout import (
     cmp_admissible,
     cmp_block_end,
+    completed_cmp_block,
+    completes_cmp_block,
     decode_read_bound,
     num_admissible_cmp_blocks,
     num_cmp_blocks,
@@ -17,6 +19,8 @@ __all__ = [
     "NSAConfig",
     "cmp_admissible",
     "cmp_block_end",
+    "completed_cmp_block",
+    "completes_cmp_block",
     "decode_read_bound",
     "num_admissible_cmp_blocks",
     "num_cmp_blocks",

@@ -29,6 +29,18 @@ def num_admissible_cmp_blocks(t, cmp_block: int, cmp_stride: int):
     return count * (count > 0)  # max(count, 0) for ints and every array type alike
 
 
+def completes_cmp_block(t, cmp_block: int, cmp_stride: int):
+    """Whether the token at position `t` is the last token of a compressed block (decode emits
+    that block at t): `t = i*d + l - 1` for some i >= 0."""
+    return (t + 1 >= cmp_block) & ((t + 1 - cmp_block) % cmp_stride == 0)
+
+
+def completed_cmp_block(t, cmp_block: int, cmp_stride: int):
+    """The index `i = (t + 1 - l) // d` of the block that ends at position `t` (meaningful where
+    `completes_cmp_block(t, ...)`)."""
+    return (t + 1 - cmp_block) // cmp_stride
+
+
 def num_cmp_blocks(cfg: NSAConfig, seq_len: int) -> int:
     """Compressed blocks of a sequence of `seq_len` tokens: i in [0, (T - l) // d], none if T < l
     (the blocks admissible to its last token)."""

@@ -381,7 +381,7 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
     l, d = cfg.cmp_block, cfg.cmp_stride
     mlp = cfg.compress == "mlp"
     n_slots = cache.k_cmp.shape[1]
-    slot = jnp.where(emit, (t + 1 - l) // d, n_slots)[:, None]           # [B, 1], n_slots: none
+    slot = jnp.where(emit, nsa_common.completed_cmp_block(t, l, d), n_slots)[:, None]  # [B, 1]
 
     def write(cache):
         k_block = _compress(_ordered_ring(cache.k_raw, t - l + 1),
@@ -403,7 +403,7 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     t = cache.lengths                                                      # [B]
     proj = _project_step(params, x_t, cfg, t[:, None])
     cache = _append_tokens(cache, proj, t[:, None], new)
-    emit = fits & (t + 1 >= l) & ((t + 1 - l) % d == 0)
+    emit = fits & nsa_common.completes_cmp_block(t, l, d)
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
                                              backend, options)

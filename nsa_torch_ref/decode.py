@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from nsa_common import NSAConfig, decode_read_bound, num_cmp_blocks, num_sel_blocks
+from nsa_common import (NSAConfig, completed_cmp_block, completes_cmp_block, decode_read_bound,
+                        num_cmp_blocks, num_sel_blocks)
 from nsa_torch_ref import dispatch
 from nsa_torch_ref.module import NSAAttention, combine, compress_branch_kv, nsa_forward, project
 from nsa_torch_ref.reference import (_compressed_rows, _resolve_scale, _select_rows,
@@ -185,13 +186,12 @@ def _step_row(cfg: NSAConfig, params, x_t: torch.Tensor, cache: NSACache, b: int
     cache.v_win[b, t % cfg.window] = v["win"][0, 0]
     cache.k_cmp_raw[b, t % cfg.cmp_block] = k["cmp"][0, 0]
     cache.v_cmp_raw[b, t % cfg.cmp_block] = v["cmp"][0, 0]
-    emitted = t + 1 - cfg.cmp_block
-    if emitted >= 0 and emitted % cfg.cmp_stride == 0:
+    if completes_cmp_block(t, cfg.cmp_block, cfg.cmp_stride):
         # Tokens t-l+1 .. t, oldest first, from the ring: the block of compressed index i.
         order = torch.arange(t - cfg.cmp_block + 1, t + 1, device=device) % cfg.cmp_block
         k_block, v_block = compress_branch_kv(params, cache.k_cmp_raw[b:b + 1, order],
                                               cache.v_cmp_raw[b:b + 1, order], cfg)
-        i = emitted // cfg.cmp_stride
+        i = completed_cmp_block(t, cfg.cmp_block, cfg.cmp_stride)
         cache.k_cmp[b, i] = k_block[0, 0]
         cache.v_cmp[b, i] = v_block[0, 0]
     cache.lengths[b] = t + 1

@@ -31,6 +31,7 @@ from pallas_kernels.selected_attention import (
     random_block_idx,
     selected_attention,
     selected_attention_reference,
+    selected_attention_stages,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "select_blocks_reference",
     "selected_attention",
     "selected_attention_reference",
+    "selected_attention_stages",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,11 @@ from pallas_kernels._common import (
 
 __all__ = [
     "BlockSizes",
+    "Stages",
     "random_block_idx",
     "selected_attention",
     "selected_attention_reference",
+    "selected_attention_stages",
 ]
 
 
@@ -392,7 +395,7 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
     queries_per_step = rows // geo.h
     chunk = _dkv_chunk(geo, bs)
     qlist, item_block, item_lo, item_hi, item_start = _inverse_index(
-        block_idx, geo, chunk, pad=queries_per_step)
+        block_idx, geo, chunk, pad=queries_per_step)  # as `Stages.inverse_index`
     n_items = item_block.shape[-1]
 
     q_rows = pad_axis(q, 3, geo.dk_pad).reshape(B, T * H, geo.dk_pad)
@@ -527,6 +530,39 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
         return jnp.zeros((0, geo.T, geo.H, geo.d_v), q.dtype)
     return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
                                interpret, debug)
+
+
+class Stages(NamedTuple):
+    """The kernel's stages as separate callables (for timing them apart; `selected_attention`
+    runs the same functions). `do`: the output's cotangent `[B, T, H, d_v]`; `lse` `[B, T, H]`
+    (float32, natural log) from `forward`; `delta = sum(o * do, -1)` `[B, T, H]` float32."""
+
+    forward: Callable          # (q, k, v) -> (o, lse)
+    backward_dq: Callable      # (q, k, v, do, lse, delta) -> dq
+    inverse_index: Callable    # (block_idx) -> the dk/dv pass's work list (XLA)
+    backward_dkv: Callable     # (q, k, v, do, lse, delta) -> (dk, dv), the index included
+    dkv_work_items: int        # work items of the dk/dv pass per (batch, KV head)
+
+
+def selected_attention_stages(q, k, v, block_idx, block_size: int, scale: float | None = None,
+                              *, block_sizes: BlockSizes | None = None,
+                              interpret: bool = False) -> Stages:
+    """The stages of `selected_attention`'s forward and backward for these shapes (the arrays
+    are only read for their shapes and dtypes, and `block_idx` is bound into the stages)."""
+    geo = _validate(q, k, v, block_idx, block_size)
+    scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
+    bs = block_sizes or BlockSizes()
+    rest = (geo, scale, bs, interpret, False)
+    chunk = _dkv_chunk(geo, bs)
+    return Stages(
+        forward=lambda q, k, v: _forward(q, k, v, block_idx, *rest),
+        backward_dq=lambda q, k, v, do, lse, delta: _backward_dq(q, k, v, block_idx, do, lse,
+                                                                 delta, *rest),
+        inverse_index=lambda idx: _inverse_index(
+            idx, geo, chunk, pad=max(bs.dkv_rows, matmul_dim(geo.h)) // geo.h),
+        backward_dkv=lambda q, k, v, do, lse, delta: _backward_dkv(q, k, v, block_idx, do, lse,
+                                                                   delta, *rest),
+        dkv_work_items=geo.n_blocks + -(-geo.T * geo.n_sel // chunk))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ import pytest
 
 from bruteforce import (bf_compressed_attention, bf_select_blocks, bf_selected_attention,
                         bf_sliding_window_attention)
-from nsa_common import (NSAConfig, cmp_admissible, cmp_block_end, decode_read_bound,
-                        num_admissible_cmp_blocks, num_cmp_blocks, num_sel_blocks,
-                        overlap_weights)
+from nsa_common import (NSAConfig, cmp_admissible, cmp_block_end, completed_cmp_block,
+                        completes_cmp_block, decode_read_bound, num_admissible_cmp_blocks,
+                        num_cmp_blocks, num_sel_blocks, overlap_weights)
 
 
 def _causal_attention(q, k, v):
@@ -73,6 +73,16 @@ def test_admissibility_rule_against_counting_token_sets(l, d):
     cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=max(l, 4 * d))
     assert [num_cmp_blocks(cfg, n) for n in range(200)] == [
         num_admissible_cmp_blocks(n - 1, l, d) for n in range(200)]
+    # Decode emits block i at the token that completes it, i*d + l - 1: exactly where the count
+    # of admissible blocks grows, and the block emitted is the newest admissible one.
+    for s in range(0, 200):
+        grows = num_admissible_cmp_blocks(s, l, d) > num_admissible_cmp_blocks(s - 1, l, d)
+        assert bool(completes_cmp_block(s, l, d)) == grows, s
+        if grows:
+            assert completed_cmp_block(s, l, d) == num_admissible_cmp_blocks(s, l, d) - 1
+            assert cmp_block_end(completed_cmp_block(s, l, d), l, d) == s
+    np.testing.assert_array_equal(completes_cmp_block(t, l, d),
+                                  [bool(completes_cmp_block(int(s), l, d)) for s in t])
 
 
 def test_rules_keep_each_framework_type():

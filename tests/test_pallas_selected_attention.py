@@ -18,6 +18,7 @@ from pallas_kernels.selected_attention import (
     random_block_idx,
     selected_attention,
     selected_attention_reference,
+    selected_attention_stages,
 )
 
 TOLERANCE = {  # dtype -> (outputs, gradients)
@@ -150,6 +151,25 @@ def test_bad_arguments_raise(change, message):
     with pytest.raises(ValueError, match=message):
         selected_attention(q, k, v, block_idx, change.get("block_size", 16), interpret=True,
                            implementation=change.get("implementation", "triton"))
+
+
+def test_stages_compose_to_the_kernel():
+    """`selected_attention_stages` (the benches' per-stage entry) runs the kernel's own functions:
+    forward, dq and dk/dv from them equal `selected_attention`'s output and gradients bit for
+    bit, and the inverse index is the dk/dv pass's work list."""
+    q, k, v, block_idx, cotangent = make_inputs(3, 1, 80, 4, 2, 16, 8, 3, 16, jnp.float32)
+    stages = selected_attention_stages(q, k, v, block_idx, 16, interpret=True)
+    o, lse = stages.forward(q, k, v)
+    do = cotangent.astype(o.dtype)
+    delta = jnp.sum(o * do, axis=-1)
+    dq = stages.backward_dq(q, k, v, do, lse, delta)
+    dk, dv = stages.backward_dkv(q, k, v, do, lse, delta)
+    o_ref, pullback = jax.vjp(lambda q, k, v: selected_attention(q, k, v, block_idx, 16,
+                                                                interpret=True), q, k, v)
+    for got, want in zip((o, dq, dk, dv), (o_ref, *pullback(do))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    item_block = stages.inverse_index(block_idx)[1]
+    assert item_block.shape[-1] >= stages.dkv_work_items > 0
 
 
 # --- GPU: the compiled Triton kernels -----------------------------------------------------------
