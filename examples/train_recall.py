@@ -226,6 +226,9 @@ VARIANTS = {
     "sel_fixed_dense": Variant("sel_fixed_dense", gate_bias=(-30.0, 30.0, -30.0),
                                fixed_gates=True, dense_init=True),
     "sel_only_dense": Variant("sel_only_dense", gate_bias=(-4.0, 4.0, -4.0), dense_init=True),
+    # The library's defaults from the full model's initial weights: NSA and full attention
+    # compared on the same draw.
+    "dense": Variant("dense", dense_init=True),
 }
 
 
@@ -586,7 +589,11 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
     eval_batch = make_batch(np.random.default_rng(seed + 1), task, vocab, args.eval_batch, args.T,
                             mc.nsa, args.shift)
     eval_arrays = [jnp.asarray(eval_batch[k]) for k in ("tokens", "answers", "key_pos")]
-    params = init_model(jax.random.PRNGKey(args.seed), mc, run.variant)
+    # "paired": NSA starts from the full model's draw (`nsa_from_dense`), so that NSA and full
+    # attention differ by the layer alone, not by when their draws leave the MQAR plateau.
+    variant = (dataclasses.replace(run.variant, dense_init=True) if args.init == "paired"
+               else run.variant)
+    params = init_model(jax.random.PRNGKey(args.seed), mc, variant)
     mults = lr_multipliers(params, run.variant)
     opt_state = OPTIMIZER.init(params)
 
@@ -763,6 +770,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_batch", type=int, default=64)
     parser.add_argument("--gen_batch", type=int, default=8)
+    parser.add_argument("--init", choices=("paired", "own"), default="paired",
+                        help="paired: every NSA run starts from the full model's initial "
+                             "weights for the parameters they share (embeddings, norms, MLPs, "
+                             "head, wq, wk/wv['sel'], wo); own: NSA's own draw (before "
+                             "2026-11-25)")
     parser.add_argument("--gen_tokens", type=int, default=4,
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():

@@ -217,3 +217,5 @@ def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
     assert float(jnp.max(jnp.abs(attn["wk"]["cmp"]))) < 1e-10 * scale
     mults = train_recall.lr_multipliers(p_nsa, variant)["blocks"][0]["attn"]
     assert float(mults["wg"]) == float(mults["bg"]) == 0.0 and float(mults["wq"]) == 1.0
+    # The script pairs NSA with the full model's draw unless told otherwise.
+    assert train_recall.parse_args(["--out", "x"]).init == "paired"
