@@ -189,6 +189,10 @@ class Variant:
     n_sel_mult: int = 1  # n_sel = n_sel_mult x the base n_sel
     compress: Optional[str] = None  # "mean": parameter-free compression (as fla's NSA)
     shared_kv: bool = False  # one K/V projection for the three branches (NSAConfig.shared_kv)
+    fixed_gates: bool = False  # wg starts at 0 and wg, bg are not trained: gates = sigmoid(bg)
+    # Start from the "full" model's initial weights (same key): embeddings, norms, MLPs, head,
+    # and wq / wk["sel"] / wv["sel"] / wo of every layer (`nsa_from_dense`).
+    dense_init: bool = False
 
 
 VARIANTS = {
@@ -214,6 +218,17 @@ VARIANTS = {
     # A diagnostic, not a fix: the selected branch alone (gates start at 0.98 / 0.02), so with
     # n_sel covering every block NSA is full attention with its own projections and gates.
     "sel_only": Variant("sel_only", gate_bias=(-4.0, 4.0, -4.0)),
+    # Diagnostics: gates fixed at (0, 1, 0) (sigmoid(+-30)); with n_sel covering every block the
+    # layer is then exactly the full-attention layer, so `sel_fixed_dense` (the full model's
+    # initial weights) must train as `full` does, and `sel_fixed` (NSA's own draw) tells
+    # whether the initial draw decides when the model leaves the plateau.
+    "sel_fixed": Variant("sel_fixed", gate_bias=(-30.0, 30.0, -30.0), fixed_gates=True),
+    "sel_fixed_dense": Variant("sel_fixed_dense", gate_bias=(-30.0, 30.0, -30.0),
+                               fixed_gates=True, dense_init=True),
+    "sel_only_dense": Variant("sel_only_dense", gate_bias=(-4.0, 4.0, -4.0), dense_init=True),
+    # The library's defaults from the full model's initial weights: NSA and full attention
+    # compared on the same draw.
+    "dense": Variant("dense", dense_init=True),
 }
 
 
@@ -239,6 +254,8 @@ def init_model(key: jax.Array, mc: ModelConfig, variant: Variant = Variant()) ->
         if mc.attention == "nsa":
             attn = nsa_jax.init_params(next(keys), cfg)
             attn["bg"] = jnp.tile(jnp.asarray(variant.gate_bias, jnp.float32), H)  # [H*3]
+            if variant.fixed_gates:
+                attn["wg"] = jnp.zeros_like(attn["wg"])
             if cfg.compress == "mlp":
                 for name in ("cmp_k", "cmp_v"):
                     for w in ("w1", "w2"):
@@ -253,16 +270,38 @@ def init_model(key: jax.Array, mc: ModelConfig, variant: Variant = Variant()) ->
             "mlp": {"w1": _normal(next(keys), (D, mc.mlp_ratio * D), D ** -0.5),
                     "w2": _normal(next(keys), (mc.mlp_ratio * D, D), (mc.mlp_ratio * D) ** -0.5)},
         })
-    return {"embed": _normal(next(keys), (mc.vocab_size, D), 1.0), "blocks": blocks,
-            "norm_f": jnp.ones((D,)), "head": _normal(next(keys), (D, mc.vocab_size), D ** -0.5)}
+    params = {"embed": _normal(next(keys), (mc.vocab_size, D), 1.0), "blocks": blocks,
+              "norm_f": jnp.ones((D,)), "head": _normal(next(keys), (D, mc.vocab_size), D ** -0.5)}
+    if mc.attention == "nsa" and variant.dense_init:
+        params = nsa_from_dense(init_model(key, dataclasses.replace(mc, attention="full")), params)
+    return params
+
+
+def nsa_from_dense(dense: dict, nsa: dict) -> dict:
+    """The NSA model `nsa` with every parameter it shares with the full-attention model `dense`
+    taken from `dense`: embeddings, norms, MLPs, head, and per layer wq, wo and the selected
+    branch's K/V projections (`wk["sel"]`, `wv["sel"]`; `shared` with shared_kv). With gates
+    (0, 1, 0) and n_sel covering every block the two models compute the same function."""
+    out = {k: dense[k] for k in ("embed", "norm_f", "head")}
+    out["blocks"] = []
+    for d, n in zip(dense["blocks"], nsa["blocks"]):
+        attn = dict(n["attn"], wq=d["attn"]["wq"], wo=d["attn"]["wo"])
+        sel = "shared" if "shared" in attn["wk"] else "sel"
+        attn["wk"] = dict(attn["wk"], **{sel: d["attn"]["wk"]})
+        attn["wv"] = dict(attn["wv"], **{sel: d["attn"]["wv"]})
+        out["blocks"].append(dict(d, attn=attn))
+    return out
 
 
 def lr_multipliers(params: dict, variant: Variant) -> dict:
-    """A pytree like params: `variant.cmp_lr_mult` on the compression path, 1 elsewhere."""
+    """A pytree like params: `variant.cmp_lr_mult` on the compression path, 0 on the gates
+    (wg, bg) with `variant.fixed_gates`, 1 elsewhere."""
     def mult(path, leaf):
         names = [getattr(p, "key", None) for p in path]
         cmp_path = ("cmp_k" in names or "cmp_v" in names
                     or (names[-1] == "cmp" and ("wk" in names or "wv" in names)))
+        if variant.fixed_gates and names[-1] in ("wg", "bg"):
+            return jnp.zeros((), jnp.float32)
         return jnp.full((), variant.cmp_lr_mult if cmp_path else 1.0, jnp.float32)
     return jax.tree_util.tree_map_with_path(mult, params)
 
@@ -550,7 +589,11 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
     eval_batch = make_batch(np.random.default_rng(seed + 1), task, vocab, args.eval_batch, args.T,
                             mc.nsa, args.shift)
     eval_arrays = [jnp.asarray(eval_batch[k]) for k in ("tokens", "answers", "key_pos")]
-    params = init_model(jax.random.PRNGKey(args.seed), mc, run.variant)
+    # "paired": NSA starts from the full model's draw (`nsa_from_dense`), so that NSA and full
+    # attention differ by the layer alone, not by when their draws leave the MQAR plateau.
+    variant = (dataclasses.replace(run.variant, dense_init=True) if args.init == "paired"
+               else run.variant)
+    params = init_model(jax.random.PRNGKey(args.seed), mc, variant)
     mults = lr_multipliers(params, run.variant)
     opt_state = OPTIMIZER.init(params)
 
@@ -727,6 +770,11 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_batch", type=int, default=64)
     parser.add_argument("--gen_batch", type=int, default=8)
+    parser.add_argument("--init", choices=("paired", "own"), default="paired",
+                        help="paired: every NSA run starts from the full model's initial "
+                             "weights for the parameters they share (embeddings, norms, MLPs, "
+                             "head, wq, wk/wv['sel'], wo); own: NSA's own draw (before "
+                             "2026-11-25)")
     parser.add_argument("--gen_tokens", type=int, default=4,
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():

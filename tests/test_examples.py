@@ -176,3 +176,46 @@ def test_smoke_curriculum_no_rope_shift_all_models(tmp_path):
     assert float(curve[-1]["l0_gk_shared"]) > 0.0
     with open(tmp_path / "stats.json") as f:
         assert json.load(f)["runs"][-1]["nsa"]["rope_theta"] is None
+
+
+def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
+    # n_sel covers all 8 selection blocks of T 128 and the gates are fixed at (0, 1, 0)
+    # (sigmoid(+-30)): the selected branch is causal attention over every token, so with the
+    # full model's weights (`dense_init`) NSA's logits and the gradients of the shared
+    # parameters must be the full model's (issue 16: NSA's slower escape from the MQAR plateau
+    # is not a wrong layer).
+    cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=8, window=16, rope_theta=10000.0)
+    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
+    task = train_recall.Task("mqar", n_pairs=4, n_queries=4)
+    variant = train_recall.VARIANTS["sel_fixed_dense"]
+    full = train_recall.ModelConfig("full", cfg, vocab.size)
+    nsa = train_recall.ModelConfig("nsa", cfg, vocab.size)
+    key = jax.random.PRNGKey(3)
+    p_full, p_nsa = train_recall.init_model(key, full), train_recall.init_model(key, nsa, variant)
+    batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 3, 128, cfg)
+    tokens, answers = jnp.asarray(batch["tokens"]), jnp.asarray(batch["answers"])
+    logits = [train_recall.logits_at(p, train_recall.forward(p, tokens, mc))
+              for p, mc in ((p_full, full), (p_nsa, nsa))]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=RTOL, atol=RTOL)
+
+    def grads(p, mc):
+        return jax.grad(lambda p: train_recall.loss_and_accuracy(p, tokens, answers, mc,
+                                                                  task)[0])(p)
+
+    g_full, g_nsa = grads(p_full, full), grads(p_nsa, nsa)
+    # The NSA gradients of the parameters both models have, in the full model's layout.
+    shared = dict(g_nsa, blocks=[
+        dict(b, attn={"wq": b["attn"]["wq"], "wk": b["attn"]["wk"]["sel"],
+                      "wv": b["attn"]["wv"]["sel"], "wo": b["attn"]["wo"]})
+        for b in g_nsa["blocks"]])
+    scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(g_full))
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale), shared, g_full)
+    # The unused branches and the fixed gates get (next to) no gradient, and no update.
+    attn = g_nsa["blocks"][0]["attn"]
+    assert float(jnp.max(jnp.abs(attn["wk"]["cmp"]))) < 1e-10 * scale
+    mults = train_recall.lr_multipliers(p_nsa, variant)["blocks"][0]["attn"]
+    assert float(mults["wg"]) == float(mults["bg"]) == 0.0 and float(mults["wq"]) == 1.0
+    # The script pairs NSA with the full model's draw unless told otherwise.
+    assert train_recall.parse_args(["--out", "x"]).init == "paired"
