@@ -347,6 +347,18 @@ def _dkv_chunk(geo: _Geometry, bs: BlockSizes) -> int:
     return max(1, min(chunk, geo.T))
 
 
+def _dkv_work_items(geo: _Geometry, chunk: int) -> int:
+    """Work items of the dk/dv pass per (batch, KV head): `n_blocks + ceil(T*n_sel / chunk)`
+    bounds `sum_j ceil(n_j / chunk)` over the blocks' query counts n_j."""
+    return geo.n_blocks + -(-geo.T * geo.n_sel // chunk)
+
+
+def _dkv_rows(geo: _Geometry, bs: BlockSizes) -> int:
+    """Rows (query x head) of one dk/dv step, at least a matmul dimension; the step takes
+    `_dkv_rows // h` whole queries."""
+    return max(bs.dkv_rows, matmul_dim(geo.h))
+
+
 def _inverse_index(block_idx, geo: _Geometry, chunk: int, pad: int):
     """Per (batch, KV head): which queries chose each block, cut into work items.
 
@@ -356,9 +368,8 @@ def _inverse_index(block_idx, geo: _Geometry, chunk: int, pad: int):
     (block j owns items item_start[j] .. item_start[j+1]-1). W = n_blocks + ceil(T*n_sel/chunk)
     bounds the item count, since sum_j ceil(n_j / chunk) <= n_blocks + sum_j n_j / chunk.
     """
-    T, n_sel, nb = geo.T, geo.n_sel, geo.n_blocks
-    n_entries = T * n_sel
-    n_items = nb + -(-n_entries // chunk)
+    T, nb = geo.T, geo.n_blocks
+    n_items = _dkv_work_items(geo, chunk)
     t = jnp.arange(T, dtype=jnp.int32)[:, None]
 
     def one(blk):  # blk [T, n_sel] of one (b, g)
@@ -391,11 +402,11 @@ def _inverse_index(block_idx, geo: _Geometry, chunk: int, pad: int):
 
 def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, debug):
     B, T, H, G = geo.B, geo.T, geo.H, geo.G
-    rows = max(bs.dkv_rows, matmul_dim(geo.h))
+    rows = _dkv_rows(geo, bs)
     queries_per_step = rows // geo.h
     chunk = _dkv_chunk(geo, bs)
     qlist, item_block, item_lo, item_hi, item_start = _inverse_index(
-        block_idx, geo, chunk, pad=queries_per_step)  # as `Stages.inverse_index`
+        block_idx, geo, chunk, pad=queries_per_step)
     n_items = item_block.shape[-1]
 
     q_rows = pad_axis(q, 3, geo.dk_pad).reshape(B, T * H, geo.dk_pad)
@@ -558,11 +569,11 @@ def selected_attention_stages(q, k, v, block_idx, block_size: int, scale: float 
         forward=lambda q, k, v: _forward(q, k, v, block_idx, *rest),
         backward_dq=lambda q, k, v, do, lse, delta: _backward_dq(q, k, v, block_idx, do, lse,
                                                                  delta, *rest),
-        inverse_index=lambda idx: _inverse_index(
-            idx, geo, chunk, pad=max(bs.dkv_rows, matmul_dim(geo.h)) // geo.h),
+        inverse_index=lambda idx: _inverse_index(idx, geo, chunk,
+                                                 pad=_dkv_rows(geo, bs) // geo.h),
         backward_dkv=lambda q, k, v, do, lse, delta: _backward_dkv(q, k, v, block_idx, do, lse,
                                                                    delta, *rest),
-        dkv_work_items=geo.n_blocks + -(-geo.T * geo.n_sel // chunk))
+        dkv_work_items=_dkv_work_items(geo, chunk))
 
 
 # ------------------------------------------------------------------------------------------------
