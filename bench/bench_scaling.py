@@ -11,9 +11,11 @@ forward and forward+backward (gradients of every parameter and of x) on meshes w
 
 `efficiency` is against the first mesh of --meshes at the same pass (and, for strong scaling,
 the same T): strong `ms_base * devices_base / (ms * devices)`, weak `ms_base / ms` (1 is
-perfect). `context_mib` is what one device receives per forward through the context axis
+perfect). `peak_mb_per_device` is XLA's compile-time peak of the step on one device (arguments,
+outputs and temporaries; the SPMD program is the same on every device). `context_mib` is what one device receives per forward through the context axis
 (`nsa_jax.sharding.context_bytes_per_layer`, MiB; as much again in the backward). Rows shared
-by both modes (same mesh, B and T) run once. A row that does not fit (mesh vs shapes, Pallas
+by both modes (same mesh, B and T) run once. The CSV is rewritten after every point, so a run
+cut short keeps the rows it finished. A row that does not fit (mesh vs shapes, Pallas
 with a context axis) is "skipped" with the reason; an OOM is "oom".
 
 Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,1x4x2,2x2x2
@@ -37,7 +39,8 @@ PASSES = ("fwd", "fwd_bwd")
 SCALINGS = ("strong", "weak")
 COLUMNS = ["bench", "scaling", "mesh", "data", "model", "context", "devices", "pass", "backend",
            "preset", "dtype", "B", "T", "tokens_per_device", "ms", "ms_min", "ms_max",
-           "tokens_per_s", "efficiency", "context_mib", "status", "note", "device", "commit"]
+           "tokens_per_s", "efficiency", "context_mib", "peak_mb_per_device", "status", "note",
+           "device", "commit"]
 
 
 def parse_meshes(text: str) -> list[tuple[int, int, int]]:
@@ -120,12 +123,14 @@ def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
     moved = sharding.context_bytes_per_layer(cfg, T, context, batch=B // data, model=model,
                                              itemsize=dtype.itemsize)["total"] / 2**20
     for pass_name in args.passes:
-        step_fn = _layer_step(cfg, mesh, axes, args.backend, pass_name)
-        timing = common.time_jax(lambda i: step_fn(params, xs[i % len(xs)]), iters=args.iters,
+        compiled = _layer_step(cfg, mesh, axes, args.backend, pass_name).lower(
+            params, xs[0]).compile()
+        timing = common.time_jax(lambda i: compiled(params, xs[i % len(xs)]), iters=args.iters,
                                  warmup=args.warmup, repeats=args.repeats)
         records.append(dict(pass_=pass_name, ms=timing.ms, ms_min=timing.ms_min,
                             ms_max=timing.ms_max, tokens_per_s=B * T / (timing.ms * 1e-3),
-                            context_mib=moved))
+                            context_mib=moved,
+                            peak_mb_per_device=common.mb(common.jax_compiled_peak_bytes(compiled))))
     return records
 
 
@@ -207,9 +212,11 @@ def main(argv=None) -> int:
                 tokens_per_device=point["B"] * point["T"] // devices, status=status, note=note,
                 device=device, commit=commit, **timing))
         print(f"{point['scaling']:6s} {rows[-1]['mesh']:7s} B={point['B']} T={point['T']}: "
-              f"{status} {note}", file=sys.stderr)
-    add_efficiency(rows, args.meshes[0])
-    common.write_csv(args.csv, rows, COLUMNS)
+              f"{status} {note} " + " ".join(f"{r['pass']} {r['ms']:.2f} ms" for r in
+                                             rows[-len(args.passes):] if r.get("ms")),
+              file=sys.stderr, flush=True)
+        add_efficiency(rows, args.meshes[0])
+        common.write_csv(args.csv, rows, COLUMNS)
     print(common.format_table(
         [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),
           r["status"]] for r in rows],
