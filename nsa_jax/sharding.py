@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from nsa_common import NSAConfig, cmp_block_end, num_cmp_blocks, num_sel_blocks
 from nsa_jax import checks, dispatch
 from nsa_jax.decode import DecodeCache, decode_step, prefill
+from nsa_jax.pallas_backend import DEFAULT_OPTIONS as PALLAS_DEFAULTS
 from nsa_jax.layer import (check_layer_inputs, combine, nsa_attention, param_shapes,
                            project)
 from nsa_jax.segments import Segments
@@ -209,6 +210,24 @@ def local_config(cfg: NSAConfig, mesh: Mesh, axes: MeshAxes) -> NSAConfig:
     return cfg.replace(n_heads=cfg.n_heads // m, n_kv_heads=cfg.n_kv_heads // m)
 
 
+def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[dict]:
+    """The options the branches get inside `shard_map`: as given, but with more than one device
+    cuDNN's fused attention is off (`window_cudnn` and `compressed_cudnn` of the "xla" options,
+    `compressed_cudnn` of the "pallas" ones), so those branches take the chunked XLA path and
+    the Pallas kernel. With jax 0.11.2 on 2 H100s, XLA's compilation of the layer's *gradient*
+    segfaults whenever either cuDNN branch runs inside a `shard_map` over several devices (data
+    or model axis; bf16; the forward compiles, a one-device mesh works, and so does cuDNN's
+    attention alone in a `shard_map`): bench/RESULTS.md, issue 18."""
+    if mesh.size == 1:
+        return dict(options) if options else None
+    options = dict(options or {})
+    options["xla"] = dataclasses.replace(options.get("xla") or XLA_DEFAULTS,
+                                         window_cudnn=False, compressed_cudnn=False)
+    options["pallas"] = dataclasses.replace(options.get("pallas") or PALLAS_DEFAULTS,
+                                            compressed_cudnn=False)
+    return options
+
+
 def _sum_over_model(y: jax.Array, axes: MeshAxes) -> jax.Array:
     """Each model shard projected only its own heads through its rows of `wo`: add them up."""
     return y if axes.model is None else lax.psum(y, axes.model)
@@ -251,7 +270,7 @@ def sharded_nsa_attention(params, x: jax.Array, cfg: NSAConfig, mesh: Optional[M
 def _sharded_forward(params, x, cu_seqlens, *, cfg, mesh, axes, backend, options):
     local_cfg = local_config(cfg, mesh, axes)
     context = axis_size(mesh, axes.context) > 1
-    options = dict(options) if options else None
+    options = body_options(options, mesh)
 
     def body(params, x, cu_seqlens):
         if context:

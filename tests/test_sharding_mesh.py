@@ -148,6 +148,20 @@ def test_decode_matches_unsharded(backend):
     assert_sharded_like(cache_sh, sharding.cache_specs(CFG, axes), mesh)
 
 
+def test_cudnn_off_inside_a_multi_device_shard_map():
+    """body_options: cuDNN's attention off (both backends) with more than one device, the
+    caller's other options kept; a one-device mesh keeps the options as given."""
+    mesh, _ = make_mesh(data=2)
+    opts = sharding.body_options({"xla": nsa_jax.XlaOptions(window_q_chunk=64)}, mesh)
+    assert opts["xla"] == nsa_jax.XlaOptions(window_q_chunk=64, window_cudnn=False,
+                                             compressed_cudnn=False)
+    assert opts["pallas"] == nsa_jax.PallasOptions(compressed_cudnn=False)
+    one, _ = make_mesh(data=1)
+    assert sharding.body_options(None, one) is None
+    given = {"pallas": nsa_jax.PallasOptions(interpret=True)}
+    assert sharding.body_options(given, one) == given
+
+
 def test_context_without_halos():
     """l = d and w = 1 (no halo on either side), mean compression, shared K/V, 8 shards."""
     cfg = CFG.replace(cmp_block=4, window=1, compress="mean", shared_kv=True)
