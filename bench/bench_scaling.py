@@ -134,10 +134,13 @@ def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
     return records
 
 
-def add_efficiency(rows: list[dict[str, Any]], first_mesh: tuple[int, int, int]) -> None:
-    """Efficiency against the first mesh's row of the same scaling, pass (and T if strong)."""
+def add_efficiency(rows: list[dict[str, Any]], first_mesh: tuple[int, int, int],
+                   widest: int) -> None:
+    """Efficiency against the first mesh's row of the same scaling, pass and --tokens value
+    (strong: T itself; weak: T * widest / context, the T that the widest context axis reaches)."""
     def key(row):
-        return (row["scaling"], row["pass"], row["T"] if row["scaling"] == "strong" else None)
+        tokens = row["T"] if row["scaling"] == "strong" else row["T"] * widest // row["context"]
+        return (row["scaling"], row["pass"], tokens)
 
     base = {key(r): r for r in rows if r["status"] == common.OK
             and (r["data"], r["model"], r["context"]) == first_mesh}
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
               f"{status} {note} " + " ".join(f"{r['pass']} {r['ms']:.2f} ms" for r in
                                              rows[-len(args.passes):] if r.get("ms")),
               file=sys.stderr, flush=True)
-        add_efficiency(rows, args.meshes[0])
+        add_efficiency(rows, args.meshes[0], max(context for _, _, context in args.meshes))
         common.write_csv(args.csv, rows, COLUMNS)
     print(common.format_table(
         [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),

@@ -94,3 +94,22 @@ def test_runs_under_a_set_mesh():
     with jax.set_mesh(mesh):
         y = sharding.sharded_nsa_attention(params, x, cfg)
     assert rel_err(y, nsa_jax.nsa_attention(params, x, cfg)) <= 1e-6
+
+
+def test_bench_scaling_weak_efficiency_per_tokens():
+    """Weak rows are compared with the first mesh's row of the same --tokens value (the T the
+    widest context axis reaches), strong rows with the same T."""
+    from bench import bench_scaling
+
+    def row(scaling, mesh, T, ms, B=1):
+        data, model, context = (int(v) for v in mesh.split("x"))
+        return dict(scaling=scaling, mesh=mesh, data=data, model=model, context=context,
+                    devices=data * model * context, T=T, B=B, ms=ms, status="ok",
+                    **{"pass": "fwd"})
+
+    rows = [row("strong", "1x1x1", 64, 10.0), row("strong", "1x1x2", 64, 6.0),
+            row("strong", "1x1x1", 128, 30.0), row("strong", "1x1x2", 128, 20.0),
+            row("weak", "1x1x1", 32, 4.0), row("weak", "1x1x2", 64, 5.0),
+            row("weak", "1x1x1", 64, 10.0), row("weak", "1x1x2", 128, 20.0)]
+    bench_scaling.add_efficiency(rows, (1, 1, 1), widest=2)
+    assert [r["efficiency"] for r in rows] == [1.0, 10 / 12, 1.0, 0.75, 1.0, 0.8, 1.0, 0.5]

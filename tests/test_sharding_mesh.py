@@ -162,6 +162,25 @@ def test_cudnn_off_inside_a_multi_device_shard_map():
     assert sharding.body_options(given, one) == given
 
 
+def test_cudnn_repro_script(capsys):
+    """scripts/repro_cudnn_shard_map.py: a case compiles and runs here (no cuDNN on a CPU), the
+    bypass of body_options is undone, and an unknown case is refused by name."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "repro_cudnn_shard_map.py")
+    spec = importlib.util.spec_from_file_location("repro_cudnn_shard_map", path)
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+    keep = sharding.body_options
+    assert repro.main(["layer_grad_nocudnn"]) == 0
+    assert "layer_grad_nocudnn: ok" in capsys.readouterr().out
+    assert sharding.body_options is keep
+    with pytest.raises(ValueError, match="case .* must be one of"):
+        repro.main(["layer_bwd"])
+
+
 def test_context_without_halos():
     """l = d and w = 1 (no halo on either side), mean compression, shared K/V, 8 shards."""
     cfg = CFG.replace(cmp_block=4, window=1, compress="mean", shared_kv=True)
