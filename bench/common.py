@@ -390,17 +390,25 @@ def _version(dist: str) -> Optional[str]:
 
 def git_commit() -> str:
     """The commit label: the COMMIT environment variable when set (the runner exports it), else
-    `git rev-parse HEAD`, else "unknown" (the device tool's copy of the tree has no .git)."""
+    `git rev-parse HEAD` with "-dirty" appended when tracked files differ from that commit, else
+    "unknown". The device tool's copy of the tree can carry a `.git` whose HEAD is older than the
+    files that travelled (2026-11-25: benches there recorded the session's first commit), so a
+    label without "-dirty" is the code that ran, and one with it is not a commit at all."""
     if os.environ.get("COMMIT") and os.environ["COMMIT"] != "unknown":
         return os.environ["COMMIT"]
+
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=10)
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0 or not head.stdout.strip():
+            return "unknown"
+        dirty = git("diff", "--quiet", "HEAD", "--").returncode == 1
+        return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
+        return "unknown"
 
 
 def nvidia_smi() -> Optional[str]:

@@ -28,34 +28,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (
-    LN_2,
-    LOG2_E,
-    MATMUL_MIN,
-    check_implementation,
-    check_kernel_dtype,
-    check_tile_sizes,
-    dot,
-    matmul_dim,
-    next_pow2,
-    pad_axis,
-    pallas_call,
-)
-from pallas_kernels._compressed_tiles import (
-    Tiling,
-    admissible,
-    blocks_visible_to,
-    check_inputs,
-    group_view,
-    kv_spec,
-    load_row_stats,
-    load_rows,
-    pad_rows,
-    reference_mask,
-    row_positions,
-    row_spec,
-    store_rows,
-)
+from pallas_kernels._common import (LN_2, LOG2_E, MATMUL_MIN, check_implementation,
+                                    check_kernel_dtype, check_tile_sizes, dot, matmul_dim,
+                                    next_pow2, pad_axis, pallas_call)
+from pallas_kernels._compressed_tiles import (Tiling, admissible, blocks_visible_to, check_inputs,
+                                              group_view, kv_spec, load_row_stats, load_rows,
+                                              pad_rows, reference_mask, row_positions, row_spec,
+                                              store_rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,20 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible
-from pallas_kernels._common import (
-    LOG2_E,
-    LN_2,
-    MASK,
-    check_implementation,
-    check_tile_sizes,
-    dot,
-    matmul_dim,
-    next_pow2,
-    online_softmax_finish,
-    online_softmax_init,
-    pad_axis,
-    pallas_call,
-)
+from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
+                                    dot, matmul_dim, next_pow2, online_softmax_finish,
+                                    online_softmax_init, pad_axis, pallas_call)
 
 __all__ = [
     "DecodeBlockSizes",

@@ -41,18 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import NSAConfig, overlap_weights
-from pallas_kernels._common import (
-    LOG2_E,
-    MATMUL_MIN,
-    check_implementation,
-    check_kernel_dtype,
-    check_tile_sizes,
-    dot,
-    matmul_dim,
-    next_pow2,
-    pad_axis,
-    pallas_call,
-)
+from pallas_kernels._common import (LOG2_E, MATMUL_MIN, check_implementation, check_kernel_dtype,
+                                    check_tile_sizes, dot, matmul_dim, next_pow2, pad_axis,
+                                    pallas_call)
 # The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
 # over tiles of compressed keys).
 import pallas_kernels._compressed_tiles as tiles

@@ -34,20 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (
-    LOG2_E,
-    LN_2,
-    MASK,
-    check_implementation,
-    check_kernel_dtype,
-    dot,
-    matmul_dim,
-    next_pow2,
-    online_softmax_finish,
-    online_softmax_init,
-    pad_axis,
-    pallas_call,
-)
+from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_kernel_dtype,
+                                    dot, matmul_dim, next_pow2, online_softmax_finish,
+                                    online_softmax_init, pad_axis, pallas_call)
 
 __all__ = [
     "BlockSizes",

@@ -16,6 +16,10 @@
 #               the same inputs (outputs, gradients, selections) -> bench/fla_agreement.csv
 #   prefill     bench/bench_prefill.py at a short S list -> bench/prefill.{csv,png}
 #   decode      bench/bench_decode.py at a short S list -> bench/decode.{csv,png}
+#   multi_gpu   with 2 or more GPUs (nvidia-smi -L): tests/gpu/test_gpu_sharding.py (the sharded
+#               layer against one GPU) -> pytest_multi_gpu.xml, then bench/bench_scaling.py
+#               (Pallas path, data and model axes, MULTI_GPU_TOKENS) -> bench/scaling.csv;
+#               with one GPU "skipped". pytest_gpu leaves that test file to this step.
 #   showcase    examples/train_recall.py at a reduced size (T 1024, its own time budget) ->
 #               showcase/{results.md,curves.csv,summary.csv,curves.png,stats.json}
 #   summaries   the benches' tables -> bench/*_summary.txt
@@ -31,7 +35,8 @@
 #   ARTIFACTS_DIR   where everything goes (default artifacts/runner/<commit>)
 #   RUNNER_TAR      also pack ARTIFACTS_DIR into this one .tar.gz (the device tool returns at most
 #                   8 files, 2 folders deep: point RUNNER_TAR at $OUT and ARTIFACTS_DIR elsewhere)
-#   COMMIT          commit label where git cannot tell (the device copy has no .git)
+#   COMMIT          commit label (default: git's HEAD, "-dirty" when tracked files differ from it;
+#                   export it on the device, whose .git can be older than the files)
 #   RUNNER_BUDGET_S total seconds for all steps (default 570); a step gets at most what is left
 #   RUNNER_STEPS    comma list of steps to run (default: all, in the order above)
 #   RUNNER_PARALLEL 1 (default): routing, sanity, parity_* and pytest_gpu run concurrently;
@@ -42,6 +47,7 @@
 #                   (*_ARGS: more flags, spelled as every bench spells them, bench/common.py:
 #                   e.g. "--preset paper" or "--dk 192 --dv 128", "--H 64 --G 4", "--l_sel 64")
 #   SHOWCASE_BUDGET_S, SHOWCASE_ARGS                       train_recall's budget and arguments
+#   MULTI_GPU_TOKENS, MULTI_GPU_ARGS                       bench_scaling's T list and more flags
 #   PYTEST_ARGS     extra pytest arguments
 #   FLA_AGREEMENT_S, FLA_AGREEMENT_DTYPES, FLA_AGREEMENT_ARGS  fla_agreement settings
 set -u
@@ -51,7 +57,10 @@ PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=${RUNNER_BUDGET_S:-570}
 
-COMMIT=${COMMIT:-$(git rev-parse --short=12 HEAD 2>/dev/null || true)}
+if [ -z "${COMMIT:-}" ] && HEAD_SHA=$(git rev-parse --short=12 HEAD 2>/dev/null); then
+  # "-dirty": the tracked files differ from HEAD (the device copy's .git can be older than them)
+  COMMIT=$HEAD_SHA$(git diff --quiet HEAD -- 2>/dev/null || echo -dirty)
+fi
 COMMIT=${COMMIT:-unknown}
 export COMMIT
 ART=${ARTIFACTS_DIR:-artifacts/runner/$COMMIT}
@@ -72,7 +81,8 @@ DECODE_ITERS=${DECODE_ITERS:-20}
 SHOWCASE_BUDGET_S=${SHOWCASE_BUDGET_S:-100}
 FLA_AGREEMENT_S=${FLA_AGREEMENT_S:-8k}
 FLA_AGREEMENT_DTYPES=${FLA_AGREEMENT_DTYPES:-bfloat16,float32}
-STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,fla_agreement,prefill,decode,showcase,summaries}
+MULTI_GPU_TOKENS=${MULTI_GPU_TOKENS:-64k}
+STEPS=${RUNNER_STEPS:-wheels,env,routing,sanity,parity_xla,parity_fast,pytest_gpu,fla_agreement,prefill,decode,multi_gpu,showcase,summaries}
 
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -158,7 +168,7 @@ correctness_step parity_fast 150 "$PY" -m parity --device gpu --dtype bfloat16 \
   --jax-backend pallas --torch-backend triton --json "$ART/parity_pallas_triton_bf16.json"
 # shellcheck disable=SC2086
 correctness_step pytest_gpu 300 "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider \
-  --junitxml="$ART/pytest_gpu.xml" ${PYTEST_ARGS:-}
+  --ignore=tests/gpu/test_gpu_sharding.py --junitxml="$ART/pytest_gpu.xml" ${PYTEST_ARGS:-}
 # A correctness check, not a timing (issue 12). fla's kernels run at their first Triton
 # configuration: autotuning them (some 80 configurations, each compiled, per dtype) would take
 # minutes and changes no figure beyond rounding; FLA_AGREEMENT_ARGS="--fla_configs autotune"
@@ -176,6 +186,26 @@ run_step prefill 200 "$PY" bench/bench_prefill.py --S_list "$PREFILL_S" --rows "
 run_step decode 100 "$PY" bench/bench_decode.py --S_list "$DECODE_S" --B "$DECODE_B" \
   --iters "$DECODE_ITERS" --warmup 2 --repeats 3 --no_progress --csv "$ART/bench/decode.csv" \
   ${DECODE_ARGS:-}
+
+# Several GPUs: the sharded layer's correctness against one GPU, then its scaling (each point
+# compiles the layer, ~60 s a mesh at 64k on 2 H100s, bench/RESULTS.md).
+multi_gpu() {
+  set -o pipefail
+  "$PY" -m pytest tests/gpu/test_gpu_sharding.py -q -rs -p no:cacheprovider \
+    --junitxml="$ART/pytest_multi_gpu.xml" || return 1
+  # shellcheck disable=SC2086
+  "$PY" bench/bench_scaling.py --preset bench --dtype bfloat16 --backend pallas \
+    --meshes 1x1x1,1x2x1,2x1x1 --tokens "$MULTI_GPU_TOKENS" --iters 3 --warmup 1 --repeats 2 \
+    --csv "$ART/bench/scaling.csv" ${MULTI_GPU_ARGS:-}
+}
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+if wanted multi_gpu && [ "${gpus:-0}" -lt 2 ]; then
+  printf '%s\tskipped\t-\t0\t%s GPU(s): needs 2 or more\n' multi_gpu "${gpus:-0}" >>"$SUMMARY_TSV"
+  echo "[runner] multi_gpu: skipped (${gpus:-0} GPU(s))"
+else
+  run_step multi_gpu 900 bash -c "$(declare -f multi_gpu); ART='$ART' PY='$PY' \
+    MULTI_GPU_TOKENS='$MULTI_GPU_TOKENS' MULTI_GPU_ARGS='${MULTI_GPU_ARGS:-}' multi_gpu"
+fi
 
 # The training showcase: full / window / NSA on needle and MQAR at T 1024. The script shares its
 # own budget among its runs (compiles included); that budget shrinks to what the runner has left

@@ -287,15 +287,17 @@ def test_runner_records_failures_and_tars(tmp_path):
     art = tmp_path / "art"
     tar_path = tmp_path / "out" / "runner.tar.gz"
     env = dict(os.environ, ARTIFACTS_DIR=str(art), RUNNER_TAR=str(tar_path), COMMIT="abc123",
-               PYTHON=_fake_python(tmp_path), RUNNER_STEPS="sanity,summaries")
+               PYTHON=_fake_python(tmp_path), RUNNER_STEPS="sanity,multi_gpu,summaries")
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "runner_oneshot.sh")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((art / "summary.json").read_text())
     assert summary["commit"] == "abc123"
     steps = {s["step"]: s for s in summary["steps"]}
-    assert set(steps) == {"sanity", "summaries"}
+    assert set(steps) == {"sanity", "multi_gpu", "summaries"}
     assert steps["sanity"]["status"] == "failed" and steps["sanity"]["rc"] == "3"
+    assert steps["multi_gpu"]["status"] == "skipped"  # no GPU here
+    assert "needs 2 or more" in steps["multi_gpu"]["log"]
     assert steps["summaries"]["status"] == "ok"
     assert "boom" in (art / "logs" / "sanity.log").read_text()
     assert "sanity       failed" in (art / "summary.txt").read_text()
@@ -306,3 +308,32 @@ def test_runner_records_failures_and_tars(tmp_path):
 
 def test_runner_script_syntax():
     subprocess.run(["bash", "-n", os.path.join(REPO, "scripts", "runner_oneshot.sh")], check=True)
+
+
+def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    """bench.common.git_commit: HEAD's sha for a clean tree, "-dirty" appended once a tracked
+    file changes (untracked files do not count), "unknown" outside a repository, COMMIT first."""
+    import subprocess
+
+    from bench import common
+
+    monkeypatch.delenv("COMMIT", raising=False)
+    monkeypatch.setattr(common, "REPO_ROOT", str(tmp_path))
+    assert common.git_commit() == "unknown"
+
+    def git(*argv):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    sha = git("rev-parse", "HEAD").strip()
+    assert common.git_commit() == sha
+    (tmp_path / "b.py").write_text("untracked\n")
+    assert common.git_commit() == sha
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert common.git_commit() == sha + "-dirty"
+    monkeypatch.setenv("COMMIT", "given")
+    assert common.git_commit() == "given"
