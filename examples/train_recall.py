@@ -730,7 +730,7 @@ PRESETS = {
     # GPU: T 2048, the model (d_model 256, H 8, G 2, d 32) with the paper's block ratios;
     # MQAR with 32 pairs over 16 values, a curriculum (T 512 to step 400, 1024 to step 800, then
     # 2048), 1200 steps; sized for `--tasks mqar --models full,window,nsa --variants
-    # default,sel_gate` (4 runs) within --budget_s 280 on one H100.
+    # default,sel_only` (4 runs) within --budget_s 280 on one H100 (RECALL_NOTES.md, section 0).
     "gpu": dict(T=2048, batch=16, steps=1200, eval_every=100, lr=3e-3, warmup=100,
                 d_model=256, n_layers=2, heads=8, kv_heads=2, head_dim=32, cmp_block=32,
                 cmp_stride=16, sel_block=64, n_sel=8, window=128, mqar_pairs=32, n_values=16,
