@@ -54,21 +54,33 @@ def test_layer_gradient_in_x64_mode(x64, backend):
     assert rel_err(g, g_ref) <= 1e-4
 
 
+# Selected-attention shapes (seed, B, T, H, G, d_k, d_v, n_sel) and l_sel; tests/gpu/test_gpu_x64.py
+# runs the same checks compiled at larger ones.
+SELECTED = dict(shape=(1, 20, 2, 1, 16, 8, 2), l_sel=16)
+
+
+def check_selected_attention(dtype, *, interpret, shape, l_sel):
+    """The kernel, forward and gradients, against its reference (the existing check)."""
+    check_against_reference(*selected_inputs(0, *shape, l_sel, dtype), l_sel, interpret=interpret)
+
+
+def check_float64_falls_through(*, interpret, shape, l_sel):
+    """The kernel refuses float64 by name; ("pallas", "xla") and "pallas" fall through to XLA."""
+    q, k, v, block_idx, _ = selected_inputs(1, *shape, l_sel, jnp.float64)
+    with pytest.raises(NotImplementedError, match="float32.*got float64"):
+        pallas_selected_attention(q, k, v, block_idx, l_sel, interpret=interpret)
+    ref = nsa_jax.selected_attention(q, k, v, block_idx, l_sel, backend="xla")
+    # "pallas" alone means Pallas where a kernel takes the input, XLA for the rest (docs/API.md).
+    for backend in (("pallas", "xla"), "pallas"):
+        out = nsa_jax.selected_attention(q, k, v, block_idx, l_sel, backend=backend)
+        assert out.dtype == jnp.float64
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_pallas_selected_attention_in_x64_mode(x64, dtype):
-    """The kernel, forward and gradients, against its reference (the existing check)."""
-    inputs = selected_inputs(0, 1, 20, 2, 1, 16, 8, 2, 16, dtype)
-    check_against_reference(*inputs, 16, interpret=True)
+    check_selected_attention(dtype, interpret=True, **SELECTED)
 
 
 def test_pallas_selected_attention_refuses_float64_and_falls_through(x64):
-    q, k, v, block_idx, _ = selected_inputs(1, 1, 20, 2, 1, 16, 8, 2, 16, jnp.float64)
-    with pytest.raises(NotImplementedError, match="float32.*got float64"):
-        pallas_selected_attention(q, k, v, block_idx, 16, interpret=True)
-    out = nsa_jax.selected_attention(q, k, v, block_idx, 16, backend=("pallas", "xla"))
-    ref = nsa_jax.selected_attention(q, k, v, block_idx, 16, backend="xla")
-    assert out.dtype == jnp.float64
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-    # "pallas" alone means Pallas where a kernel takes the input, XLA for the rest (docs/API.md).
-    out = nsa_jax.selected_attention(q, k, v, block_idx, 16, backend="pallas")
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    check_float64_falls_through(interpret=True, **SELECTED)

@@ -16,9 +16,7 @@ from conftest import jax_has_gpu
 from jax_inputs import make_inputs
 from nsa_common import NSAConfig
 from nsa_common.testing import rel_err
-from pallas_kernels.selected_attention import selected_attention as pallas_selected_attention
-from test_pallas_selected_attention import check_against_reference
-from test_pallas_selected_attention import make_inputs as selected_inputs
+from test_robustness_x64 import check_float64_falls_through, check_selected_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU (JAX)")]
 
@@ -57,18 +55,14 @@ def test_layer_gradient_in_x64_mode(x64):
     assert rel_err(g, g_ref) <= 1e-4
 
 
+SELECTED = dict(shape=(1, 200, 4, 2, 32, 32, 4), l_sel=32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_selected_attention_kernel_in_x64_mode(x64, dtype):
     """The compiled kernel, forward and gradients, against its reference."""
-    inputs = selected_inputs(0, 1, 200, 4, 2, 32, 32, 4, 32, dtype)
-    check_against_reference(*inputs, 32, interpret=False)
+    check_selected_attention(dtype, interpret=False, **SELECTED)
 
 
 def test_float64_falls_through_to_xla(x64):
-    q, k, v, block_idx, _ = selected_inputs(1, 1, 200, 4, 2, 32, 32, 4, 32, jnp.float64)
-    with pytest.raises(NotImplementedError, match="float32.*got float64"):
-        pallas_selected_attention(q, k, v, block_idx, 32, interpret=False)
-    out = nsa_jax.selected_attention(q, k, v, block_idx, 32, backend=PALLAS)
-    ref = nsa_jax.selected_attention(q, k, v, block_idx, 32, backend="xla")
-    assert out.dtype == jnp.float64
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    check_float64_falls_through(interpret=False, **SELECTED)
