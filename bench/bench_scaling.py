@@ -59,10 +59,15 @@ def parse_meshes(text: str) -> list[tuple[int, int, int]]:
     return meshes
 
 
+def widest_context(meshes: list[tuple[int, int, int]]) -> int:
+    """The largest context axis of the meshes: weak scaling reaches each --tokens value on it."""
+    return max(context for _, _, context in meshes)
+
+
 def points(args) -> list[dict[str, Any]]:
     """Every (scaling, mesh, T) point with its shapes; shared shapes point at one run."""
     out = []
-    widest = max(context for _, _, context in args.meshes)
+    widest = widest_context(args.meshes)
     for scaling in args.scaling:
         for tokens in args.tokens:
             for data, model, context in args.meshes:
@@ -189,6 +194,7 @@ def main(argv=None) -> int:
     _, args = common.start(parse_args, argv)
     cfg = args.cfg
     device, commit = args.device_label, common.git_commit()
+    widest = widest_context(args.meshes)
     done: dict[tuple, tuple[str, str, list]] = {}
     rows = []
     for point in points(args):
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
               f"{status} {note} " + " ".join(f"{r['pass']} {r['ms']:.2f} ms" for r in
                                              rows[-len(args.passes):] if r.get("ms")),
               file=sys.stderr, flush=True)
-        add_efficiency(rows, args.meshes[0], max(context for _, _, context in args.meshes))
+        add_efficiency(rows, args.meshes[0], widest)
         common.write_csv(args.csv, rows, COLUMNS)
     print(common.format_table(
         [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),

@@ -57,10 +57,8 @@ PY=${PYTHON:-python3}
 START=$(date +%s)
 BUDGET=${RUNNER_BUDGET_S:-570}
 
-if [ -z "${COMMIT:-}" ] && HEAD_SHA=$(git rev-parse --short=12 HEAD 2>/dev/null); then
-  # "-dirty": the tracked files differ from HEAD (the device copy's .git can be older than them)
-  COMMIT=$HEAD_SHA$(git diff --quiet HEAD -- 2>/dev/null || echo -dirty)
-fi
+# bench.common.git_commit: HEAD, "-dirty" when tracked files differ from it, else "unknown"
+COMMIT=${COMMIT:-$("$PY" -c "from bench import common; print(common.git_commit())" 2>/dev/null)}
 COMMIT=${COMMIT:-unknown}
 export COMMIT
 ART=${ARTIFACTS_DIR:-artifacts/runner/$COMMIT}

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 import nsa_jax
 from conftest import jax_has_gpu
@@ -29,6 +29,7 @@ from jax_inputs import make_inputs
 from nsa_common import NSAConfig
 from nsa_common.testing import rel_err
 from nsa_jax import sharding
+from sharding_helpers import grad_errors, loss_and_grads, make_mesh
 
 
 def _gpu_count() -> int:
@@ -68,52 +69,10 @@ def _mesh_id(sizes: dict[str, int]) -> str:
 MESHES = meshes(_gpu_count())
 
 
-def make_mesh(sizes: dict[str, int]) -> tuple[Mesh, sharding.MeshAxes]:
-    devices = np.array(jax.devices("gpu")[:int(np.prod(list(sizes.values())))])
-    return (Mesh(devices.reshape(tuple(sizes.values())), tuple(sizes)),
-            sharding.MeshAxes(**{role: role if role in sizes else None
-                                 for role in ("data", "model", "context")}))
-
-
-def loss_and_grads(layer, params, x):
-    """(y, aux, grads w.r.t. (params, x)) of `sum(sin(y))` (float32 loss), one compiled call."""
-    def loss(params, x):
-        y, aux = layer(params, x)
-        return jnp.sum(jnp.sin(y.astype(jnp.float32))), (y, aux)
-
-    (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, x)
-    return y, aux, grads
-
-
-def _leaves(grads) -> list[tuple[str, np.ndarray]]:
-    return [(jax.tree_util.keystr(path), np.asarray(leaf, np.float64))
-            for path, leaf in jax.tree_util.tree_leaves_with_path(grads)]
-
-
-def _grad_errors(grads, ref_grads) -> dict[str, float]:
-    """Relative error of every gradient leaf; `cmp_k.b2`'s gradient is analytically zero
-    (docs/DESIGN.md), so it is measured against the RMS of all reference gradients."""
-    ref = _leaves(ref_grads)
-    typical = np.sqrt(np.mean([np.mean(np.square(g)) for _, g in ref]))
-    errors = {}
-    for (name, want), (_, got) in zip(ref, _leaves(grads)):
-        if "cmp_k" in name and "b2" in name:
-            errors[name] = float(np.max(np.abs(got)) / typical)
-        else:
-            errors[name] = rel_err(got, want)
-    return errors
-
-
 @functools.lru_cache(maxsize=None)
 def _inputs(dtype=jnp.float32):
     params, x = make_inputs(CFG, B, T, jnp.float32, seed=7)
     return jax.tree_util.tree_map(lambda a: a.astype(dtype), (params, x))
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    return _inputs()
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +86,7 @@ def _one_gpu(backend, dtype=jnp.float32):
 
 
 def _sharded(params, x, sizes, backend):
-    mesh, axes = make_mesh(sizes)
+    mesh, axes = make_mesh(**sizes)
     params = sharding.shard_params(params, CFG, mesh, axes)
     x = jax.device_put(x, NamedSharding(mesh, sharding.input_spec(axes)))
     return loss_and_grads(
@@ -143,15 +102,15 @@ def _cases():
 
 
 @pytest.mark.parametrize("sizes, backend", list(_cases()))
-def test_float32_matches_one_gpu(inputs, sizes, backend):
-    params, x = inputs
+def test_float32_matches_one_gpu(sizes, backend):
+    params, x = _inputs()
     y_ref, aux_ref, grads_ref = _one_gpu(backend)
     y, aux, grads = _sharded(params, x, sizes, backend)
     assert rel_err(y, y_ref) <= TOL_F32
     for name in ("o_cmp", "o_sel", "o_win", "gates"):
         assert rel_err(aux[name], aux_ref[name]) <= TOL_F32, name
     np.testing.assert_array_equal(aux["block_idx"], aux_ref["block_idx"])
-    errors = _grad_errors(grads, grads_ref)
+    errors = grad_errors(grads, grads_ref)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL_F32_GRAD, (worst, errors[worst])
 
@@ -165,20 +124,20 @@ def test_bfloat16_no_less_accurate_than_one_gpu(sizes, backend):
     assert rel_err(y, y_f32) <= NO_WORSE * rel_err(y_one, y_f32) + 1e-3
     # Selections may differ only at near-ties: at most 1% of the (token, head, slot) entries.
     assert np.mean(np.asarray(aux["block_idx"]) != np.asarray(aux_one["block_idx"])) <= 0.01
-    err, err_one = _grad_errors(grads, grads_f32), _grad_errors(grads_one, grads_f32)
+    err, err_one = grad_errors(grads, grads_f32), grad_errors(grads_one, grads_f32)
     for name, e in err.items():
         assert e <= NO_WORSE * err_one[name] + 1e-3, (name, e, err_one[name])
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_prefill_and_decode_match_one_gpu(inputs, backend):
+def test_prefill_and_decode_match_one_gpu(backend):
     """Prefill 1,000 tokens, then 40 decode steps (two emit a compressed block) over the
     largest data x model mesh without a context axis, float32, parameters and cache placed with
     their specs, against the same steps on one GPU."""
-    params, x = inputs
+    params, x = _inputs()
     n = _gpu_count()
     sizes = dict(data=2, model=n // 2) if n >= 4 else dict(model=2)
-    mesh, axes = make_mesh(sizes)
+    mesh, axes = make_mesh(**sizes)
     prefix, steps, max_len = 1000, 40, 1040
     cache = nsa_jax.init_cache(CFG, B, max_len)
     with jax.default_device(jax.devices("gpu")[0]):
