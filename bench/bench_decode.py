@@ -22,6 +22,12 @@ Per point (B, S):
                    and d_k == d_v), cudnn (jax.nn.dot_product_attention with
                    key_value_seq_lengths), xla (the same, XLA).
 
+Timing (--timing): "loop" (default) runs --loop_steps steps per jitted call in a `lax.scan` that
+carries the cache, as a jitted generation loop does, and reports the call's time per step: the
+device's time. "dispatch" calls the jitted step once per step from Python (the method of R4-R13):
+at B 1 and 8 that measured the host's dispatch of ~30 arguments (0.15-0.45 ms, falling as S
+grew), not the GPU. Both the NSA rows and the full-attention baselines use the same method.
+
 The cache of length S is filled with random K/V (and compressed blocks) directly and its
 position set to S, instead of running prefill over S tokens: a decode step's cost depends on the
 shapes and the position, not on the values, and a 64k prefill at B = 64 would dominate the run.
@@ -60,7 +66,8 @@ from bench.common import OK, SKIPPED, Skip  # noqa: E402
 from bench.summarize_decode_csv import summarize  # noqa: E402
 
 COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv", "l", "d",
-           "l_sel", "n_sel", "w", "dtype", "force", "status", "ms", "ms_min", "ms_max", "attn_ms",
+           "l_sel", "n_sel", "w", "dtype", "force", "timing", "status", "ms", "ms_min", "ms_max",
+           "attn_ms",
            "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
            "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
            "device"]
@@ -75,6 +82,7 @@ def _base(args, row: str, B: int, S: int, **extra) -> dict[str, Any]:
               "H": cfg.n_heads, "G": cfg.n_kv_heads, "dk": cfg.d_k, "dv": cfg.d_v,
               "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
               "w": cfg.window, "dtype": args.dtype, "force": args.branch_force_mode,
+              "timing": (f"loop of {args.loop_steps}" if args.timing == "loop" else "dispatch"),
               "device": args.device_label}
     record.update(extra)
     return record
@@ -140,25 +148,70 @@ def branch_only_step(mode: str, backend: str = "xla"):
                              branches=() if mode == "base" else (mode,))
 
 
+def steps_needed(args) -> int:
+    """Decode steps one timed point runs (warm-up included): the cache holds S plus these."""
+    if args.timing == "loop":
+        return (max(1, args.warmup) + args.repeats) * args.loop_steps
+    return max(1, args.warmup) + args.iters * args.repeats
+
+
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
-    """Time a jitted, cache-donating step; returns (timing, the first call's third output, e.g.
-    decode_step's reads, or None). The caller's `cache` is donated: do not use it afterwards."""
+    """Time a jitted, cache-donating step; returns (timing per step, the first call's third
+    output, e.g. decode_step's reads, or None). The caller's `cache` is donated: do not use it
+    afterwards.
+
+    --timing loop (the default): one jitted call runs `loop_steps` steps in a `lax.scan` that
+    carries the cache (a generation loop as a JAX server jits it) and returns every step's
+    output; the figure is the call's time / loop_steps, so it is the device's time per step.
+    --timing dispatch: one jitted call per step from Python, as an eager loop would run it; at
+    small B this measures the host's dispatch of the step (its ~30 arguments), not the device.
+    """
     import jax
+    import jax.numpy as jnp
+    from jax import lax
 
-    jitted = jax.jit(step_fn, static_argnums=(2,), donate_argnums=(3,))
-    state = {"cache": cache}
     first = {}
+    if args.timing == "dispatch":
+        jitted = jax.jit(step_fn, static_argnums=(2,), donate_argnums=(3,))
+        state = {"cache": cache}
 
-    def step(i):
-        out = jitted(params, xs[i % len(xs)], cfg, state["cache"])
-        state["cache"] = out[1]
-        if not first:  # keep no reference to the cache, whose buffers the next call donates
-            first["out"] = out[2] if len(out) > 2 else None
-        return out[0]
+        def step(i):
+            out = jitted(params, xs[i % len(xs)], cfg, state["cache"])
+            state["cache"] = out[1]
+            if not first:  # keep no reference to the cache, whose buffers the next call donates
+                first["out"] = out[2] if len(out) > 2 else None
+            return out[0]
 
-    timing = common.time_jax(step, iters=args.iters, warmup=max(1, args.warmup),
-                             repeats=args.repeats)
-    return timing, first["out"]
+        timing = common.time_jax(step, iters=args.iters, warmup=max(1, args.warmup),
+                                 repeats=args.repeats)
+        return timing, first["out"]
+
+    n = args.loop_steps
+    # Step i of a call takes x number i % rotate: the scan reads [n, B, 1, D] stacked inputs.
+    stacked = jnp.stack([xs[i % len(xs)] for i in range(n)])
+
+    def loop(params, stacked, cache):
+        def body(cache, x_t):
+            out = step_fn(params, x_t, cfg, cache)
+            return out[1], (out[0], out[2] if len(out) > 2 else None)
+
+        # Every step's output comes back, so none of the steps' work can be dropped.
+        cache, (ys, extra) = lax.scan(body, cache, stacked)
+        return ys, cache, extra
+
+    jitted = jax.jit(loop, donate_argnums=(2,))
+    state = {"cache": cache}
+
+    def call(i):
+        ys, state["cache"], extra = jitted(params, stacked, state["cache"])
+        if not first:  # the first step of the first call: the cache at position S
+            first["out"] = jax.tree_util.tree_map(lambda a: a[0], extra)
+        return ys
+
+    timing = common.time_jax(call, iters=1, warmup=max(1, args.warmup), repeats=args.repeats)
+    per_step = common.Timing(ms=timing.ms / n, ms_min=timing.ms_min / n, ms_max=timing.ms_max / n,
+                             samples=timing.samples)
+    return per_step, first.get("out")
 
 
 def run_nsa_point(args, B: int, S: int) -> list[dict]:
@@ -170,8 +223,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
 
     cfg = args.cfg
     dtype = common.jnp_dtype(args.dtype)
-    steps = max(1, args.warmup) + args.iters * args.repeats
-    max_len = S + steps + 1
+    max_len = S + steps_needed(args) + 1
     params = init_params(cfg, dtype)
     if args.branch_force_mode != "none":
         params = force_gates(params, cfg, args.branch_force_mode)
@@ -278,8 +330,7 @@ def run_full_point(args, impl: str, B: int, S: int) -> dict:
     dtype = common.jnp_dtype(args.dtype)
     cfg = args.cfg
     H, G, dk, dv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.d_model
-    steps = max(1, args.warmup) + args.iters * args.repeats
-    max_len = S + steps + 1
+    max_len = S + steps_needed(args) + 1
     keys = jax.random.split(jax.random.PRNGKey(1), 8)
 
     def weight(k, shape):
@@ -430,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: fa3,cudnn on gpu, xla on cpu)")
     p.add_argument("--fa3_num_splits", default="1,4,16",
                    help="FA3 split-KV counts tried; the fastest is reported")
+    p.add_argument("--timing", default="loop", choices=("loop", "dispatch"),
+                   help="loop: --loop_steps steps in one jitted lax.scan per call (device time "
+                        "per step); dispatch: one jitted call per step from Python")
+    p.add_argument("--loop_steps", type=int, default=50,
+                   help="steps per jitted call with --timing loop")
     p.add_argument("--no_progress", action="store_true")
     return p
 
@@ -437,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     args = common.finish_args(build_parser().parse_args(argv))
     args.B_list = common.parse_int_list(args.B, "--B")
+    if args.loop_steps < 1:
+        raise ValueError(f"--loop_steps ({args.loop_steps}) must be >= 1")
     if max(args.B_list) > 64:
         raise ValueError(f"--B ({args.B}) goes up to 64")
     args.S = common.parse_int_list(args.S_list, "--S_list")
@@ -488,10 +546,11 @@ def main(argv=None) -> int:
                 print(f"{r['row']} {r.get('mode')} B={B} S={S}: {r.get('status')}: "
                       f"{r.get('note')}", file=sys.stderr, flush=True)
         records += new
-    add_speedups(records, args.full_order)
-    common.write_csv(args.csv, records, COLUMNS)
-    if args.latest_csv:
-        write_latest(records, args.latest_csv, args.device_label, env["commit"])
+        # Written after every point, so a run cut short keeps the points it finished.
+        add_speedups(records, args.full_order)
+        common.write_csv(args.csv, records, COLUMNS)
+        if args.latest_csv:
+            write_latest(records, args.latest_csv, args.device_label, env["commit"])
     cfg = args.cfg
     title = (f"NSA decode ({args.backend}): H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
              f"dv={cfg.d_v} {args.dtype} force={args.branch_force_mode} on {args.device_label} "

@@ -117,6 +117,32 @@ def test_prefill_rejects_bad_arguments():
         bench_prefill.parse_args(TINY_NSA + ["--n_sel", "2"])
 
 
+@pytest.mark.parametrize("timing", ["loop", "dispatch"])
+def test_decode_timing_modes_read_the_same(tmp_path, cpu_env, timing):
+    """Both timing methods run the same step at position S: the same reads, a time per step,
+    and the method named in the CSV."""
+    csv_path = tmp_path / "decode.csv"
+    S = 40
+    code = bench_decode.main(TINY_NSA + ["--B", "2", "--S_list", str(S), "--d_model", "32",
+                                         "--H", "4", "--G", "2", "--iters", "2", "--warmup", "1",
+                                         "--repeats", "2", "--loop_steps", "3", "--timing",
+                                         timing, "--no_breakdown", "--full_impls", "xla",
+                                         "--csv", str(csv_path), "--latest_csv", ""])
+    assert code == 0
+    _, records = _read(csv_path)
+    full = {r["row"]: r for r in records}
+    for row in ("nsa_jax", "full_xla"):
+        assert full[row]["status"] == "ok" and float(full[row]["ms"]) > 0
+        assert full[row]["timing"] == ("loop of 3" if timing == "loop" else "dispatch")
+    assert (int(full["nsa_jax"]["reads_cmp"]), int(full["nsa_jax"]["reads_win"])) == (
+        (S + 1 - 8) // 4 + 1, 16)
+
+
+def test_decode_rejects_bad_loop_steps():
+    with pytest.raises(ValueError, match="loop_steps"):
+        bench_decode.parse_args(["--device", "cpu", "--loop_steps", "0"])
+
+
 def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     csv_path = tmp_path / "decode" / "decode.csv"
     S = 40
