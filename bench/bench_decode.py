@@ -16,7 +16,7 @@ Per point (B, S):
                    These are `nsa_jax.decode.decode_step_branches`, the library's own hook.
   nsa_jax / base   the step with no attention at all (projections, appends, gates, output), so
                    `attn_ms = ms - base_ms` isolates each branch's attention.
-  full_<impl>      a full-attention layer step at the same B and S: q/k/v projections, in-place
+  full_<impl>      a full-attention layer step at the same B and S: one q/k/v projection GEMM, in-place
                    cache append, single-query attention over the S + 1 cached tokens, output
                    projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
                    and d_k == d_v), cudnn (jax.nn.dot_product_attention with
@@ -155,6 +155,28 @@ def steps_needed(args) -> int:
     return max(1, args.warmup) + args.iters * args.repeats
 
 
+def decode_loop(step_fn: Callable, cfg, xs, n: int):
+    """(jitted loop(params, stacked, cache) -> (ys [n, ...], cache, extras [n, ...]), stacked):
+    n steps of `step_fn(params, x_t, cfg, cache)` in one `lax.scan` carrying the (donated)
+    cache; step i takes x number i % len(xs). Every step's output is returned, so none of the
+    steps' work can be dropped."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    stacked = jnp.stack([xs[i % len(xs)] for i in range(n)])
+
+    def loop(params, stacked, cache):
+        def body(cache, x_t):
+            out = step_fn(params, x_t, cfg, cache)
+            return out[1], (out[0], out[2] if len(out) > 2 else None)
+
+        cache, (ys, extra) = lax.scan(body, cache, stacked)
+        return ys, cache, extra
+
+    return jax.jit(loop, donate_argnums=(2,)), stacked
+
+
 def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
     """Time a jitted, cache-donating step; returns (timing per step, the first call's third
     output, e.g. decode_step's reads, or None). The caller's `cache` is donated: do not use it
@@ -187,19 +209,7 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
         return timing, first["out"]
 
     n = args.loop_steps
-    # Step i of a call takes x number i % rotate: the scan reads [n, B, 1, D] stacked inputs.
-    stacked = jnp.stack([xs[i % len(xs)] for i in range(n)])
-
-    def loop(params, stacked, cache):
-        def body(cache, x_t):
-            out = step_fn(params, x_t, cfg, cache)
-            return out[1], (out[0], out[2] if len(out) > 2 else None)
-
-        # Every step's output comes back, so none of the steps' work can be dropped.
-        cache, (ys, extra) = lax.scan(body, cache, stacked)
-        return ys, cache, extra
-
-    jitted = jax.jit(loop, donate_argnums=(2,))
+    jitted, stacked = decode_loop(step_fn, cfg, xs, n)
     state = {"cache": cache}
 
     def call(i):
@@ -214,12 +224,11 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
     return per_step, first.get("out")
 
 
-def run_nsa_point(args, B: int, S: int) -> list[dict]:
-    try:
-        import nsa_jax
-    except ImportError as exc:
-        raise Skip(f"nsa_jax not importable ({exc})") from None
+def nsa_setup(args, B: int, S: int):
+    """(params prepared for decode, the rotating x_t list, fresh_cache() -> a cache at S) of an
+    NSA point."""
     import jax
+    import nsa_jax
 
     cfg = args.cfg
     dtype = common.jnp_dtype(args.dtype)
@@ -235,6 +244,19 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
     def fresh_cache():
         return random_cache(nsa_jax.init_cache(cfg, B, max_len, dtype), S,
                             jax.random.PRNGKey(7))
+
+    return params, xs, fresh_cache
+
+
+def run_nsa_point(args, B: int, S: int) -> list[dict]:
+    try:
+        import nsa_jax
+    except ImportError as exc:
+        raise Skip(f"nsa_jax not importable ({exc})") from None
+    import jax
+
+    cfg = args.cfg
+    params, xs, fresh_cache = nsa_setup(args, B, S)
 
     from nsa_common import decode_read_bound
 
@@ -321,8 +343,11 @@ def _full_attention_fn(impl: str, args, num_splits: int = 1):
     return attend
 
 
-def run_full_point(args, impl: str, B: int, S: int) -> dict:
-    """A full-attention layer step at context S (see the module docstring)."""
+def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1):
+    """(step, params, the rotating x_t list, make_cache() -> a cache at S) of a full-attention
+    layer step: one q/k/v projection GEMM (as the NSA step gets, `prepare_decode_params`),
+    in-place cache append, single-query attention over the S + 1 cached tokens, output
+    projection."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -336,33 +361,41 @@ def run_full_point(args, impl: str, B: int, S: int) -> dict:
     def weight(k, shape):
         return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(shape[0])).astype(dtype)
 
-    params = {"wq": weight(keys[0], (D, H * dk)), "wk": weight(keys[1], (D, G * dk)),
-              "wv": weight(keys[2], (D, G * dv)), "wo": weight(keys[3], (H * dv, D))}
+    params = {"w_qkv": weight(keys[0], (D, H * dk + G * (dk + dv))),
+              "wo": weight(keys[3], (H * dv, D))}
     xs = [jax.random.normal(jax.random.PRNGKey(100 + i), (B, 1, D), dtype)
           for i in range(args.rotate)]
+    attend = _full_attention_fn(impl, args, num_splits)
+
+    def step(params, x_t, cfg, cache):
+        k_cache, v_cache, pos = cache
+        q, k_new, v_new = jnp.split(x_t @ params["w_qkv"], [H * dk, H * dk + G * dk], axis=-1)
+        q = q.reshape(B, 1, H, dk)
+        k_cache = lax.dynamic_update_slice_in_dim(k_cache, k_new.reshape(B, 1, G, dk), pos, 1)
+        v_cache = lax.dynamic_update_slice_in_dim(v_cache, v_new.reshape(B, 1, G, dv), pos, 1)
+        lengths = jnp.full((B,), pos + 1, jnp.int32)
+        o = attend(q, k_cache, v_cache, lengths)
+        y = o.reshape(B, 1, H * dv) @ params["wo"]
+        return y, (k_cache, v_cache, pos + 1)
+
+    def make_cache():
+        return (jax.random.normal(keys[4], (B, max_len, G, dk), dtype),
+                jax.random.normal(keys[5], (B, max_len, G, dv), dtype),
+                jnp.asarray(S, jnp.int32))
+
+    return step, params, xs, make_cache
+
+
+def run_full_point(args, impl: str, B: int, S: int) -> dict:
+    """A full-attention layer step at context S (see the module docstring and `full_setup`)."""
     record = _base(args, f"full_{impl}", B, S, mode="full", reads_full=S + 1, reads_actual=S + 1,
                    l="", d="", l_sel="", n_sel="", w="")
     splits = args.fa3_num_splits if impl == "fa3" else [1]
     best: Optional[tuple] = None
     errors = []
     for num_splits in splits:
-        attend = _full_attention_fn(impl, args, num_splits)
-
-        def step(params, x_t, cfg, cache, attend=attend):
-            k_cache, v_cache, pos = cache
-            q = (x_t @ params["wq"]).reshape(B, 1, H, dk)
-            k_new = (x_t @ params["wk"]).reshape(B, 1, G, dk)
-            v_new = (x_t @ params["wv"]).reshape(B, 1, G, dv)
-            k_cache = lax.dynamic_update_slice_in_dim(k_cache, k_new, pos, axis=1)
-            v_cache = lax.dynamic_update_slice_in_dim(v_cache, v_new, pos, axis=1)
-            lengths = jnp.full((B,), pos + 1, jnp.int32)
-            o = attend(q, k_cache, v_cache, lengths)
-            y = o.reshape(B, 1, H * dv) @ params["wo"]
-            return y, (k_cache, v_cache, pos + 1)
-
-        cache = (jax.random.normal(keys[4], (B, max_len, G, dk), dtype),
-                 jax.random.normal(keys[5], (B, max_len, G, dv), dtype),
-                 jnp.asarray(S, jnp.int32))
+        step, params, xs, make_cache = full_setup(args, impl, B, S, num_splits)
+        cache = make_cache()
         record["cache_mb"] = common.mb(cache_bytes(cache))
         try:
             timing, _ = _timed_decode(step, params, None, cache, xs, args)

@@ -190,8 +190,39 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     assert "speedup" in capsys.readouterr().out
 
 
+def test_profile_decode_busy_time_is_the_union_of_intervals():
+    from bench.profile_decode import busy_ns
+
+    events = [("a", 0, 10), ("b", 5, 12), ("c", 20, 25), ("d", 21, 22)]
+    assert busy_ns(events) == 12 + 5
+    assert busy_ns([]) == 0
+
+
+def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
+    from bench import profile_decode
+
+    csv_path = tmp_path / "profile.csv"
+    code = profile_decode.main(TINY_NSA + ["--B", "2", "--S_list", "40", "--d_model", "32",
+                                           "--H", "4", "--G", "2", "--loop_steps", "2",
+                                           "--warmup", "1", "--rows", "nsa,nsa_base,fa3",
+                                           "--label", "smoke", "--csv", str(csv_path)])
+    assert code == 0
+    columns, records = _read(csv_path)
+    assert columns == profile_decode.COLUMNS
+    by = {r["what"]: r for r in records}
+    for what in ("nsa", "nsa_base"):
+        assert by[what]["status"] == "ok" and by[what]["label"] == "smoke"
+        assert float(by[what]["wall_ms"]) > 0 and float(by[what]["kernels_per_step"]) > 0
+    assert by["fa3"]["status"] == "skipped"
+    _, kernels = _read(tmp_path / "profile_kernels.csv")
+    assert {k["what"] for k in kernels} == {"nsa", "nsa_base"}
+    with pytest.raises(ValueError, match="rows"):
+        profile_decode.parse_args(["--device", "cpu", "--rows", "nsa,warp"])
+
+
 NSA_SCRIPTS = ("bench_prefill", "bench_decode", "breakdown_prefill", "bench_selection",
-               "bench_compressed", "bench_torch_paths", "bench_scaling", "memory_layer")
+               "bench_compressed", "bench_torch_paths", "bench_scaling", "memory_layer",
+               "profile_decode")
 
 
 def test_every_script_takes_the_nsa_settings_alike():
