@@ -102,6 +102,11 @@ def profile_point(args, what: str, B: int, S: int) -> tuple[dict, list[dict]]:
     step, params, cfg, xs, cache = _step_and_cache(args, what, B, S)
     n = args.loop_steps
     loop, stacked = bench_decode.decode_loop(step, cfg, xs, n)
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        text = loop.lower(params, stacked, cache).compile().as_text()
+        with open(os.path.join(args.hlo_dir, f"{what}_B{B}_S{S}.hlo.txt"), "w") as f:
+            f.write(text)
     for _ in range(max(1, args.warmup)):
         ys, cache, _ = loop(params, stacked, cache)
     jax.block_until_ready(ys)
@@ -145,8 +150,10 @@ def build_parser():
     p.add_argument("--backend", default=None, choices=("xla", "pallas"),
                    help="nsa_jax decode backend (default: pallas on gpu, xla on cpu)")
     p.add_argument("--loop_steps", type=int, default=32, help="steps per jitted call")
-    p.add_argument("--fa3_num_splits", type=int, default=0,
-                   help="FA-3 num_splits (0: its own heuristic)")
+    p.add_argument("--fa3_num_splits", type=int, default=4,
+                   help="FA-3 num_splits (>= 1; bench_decode reports the best of 1, 4, 16)")
+    p.add_argument("--hlo_dir", default="",
+                   help="write each row's optimized HLO (the compiled loop) here")
     p.add_argument("--top", type=int, default=12, help="kernels listed per row")
     p.add_argument("--label", default=None,
                    help="names this run's settings in the CSV (default: $XLA_FLAGS or 'default')")

@@ -113,7 +113,8 @@ def decode_compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, s
 def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: int,
                          options: Optional[PallasOptions] = None):
     del options  # XLA: the scores are `[B, G, S]` per step, the kernels' work is done
-    return top_blocks(band_scores(p_group, cfg, n_sel_blocks), positions[..., None], cfg)
+    return top_blocks(band_scores(p_group, cfg, n_sel_blocks), positions[..., None], cfg,
+                      method="top_k")
 
 
 def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, cfg: NSAConfig,
