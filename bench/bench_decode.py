@@ -156,10 +156,12 @@ def steps_needed(args) -> int:
 
 
 def decode_loop(step_fn: Callable, cfg, xs, n: int):
-    """(jitted loop(params, stacked, cache) -> (ys [n, ...], cache, extras [n, ...]), stacked):
-    n steps of `step_fn(params, x_t, cfg, cache)` in one `lax.scan` carrying the (donated)
-    cache; step i takes x number i % len(xs). Every step's output is returned, so none of the
-    steps' work can be dropped."""
+    """(jitted loop(params, stacked, cache) -> (ys [n, ...], cache, extra), stacked): n steps of
+    `step_fn(params, x_t, cfg, cache)` in one jitted call carrying the (donated) cache, the
+    first step as is and the other n - 1 in a `lax.scan`; step i takes x number i % len(xs).
+    Every step's output is returned, so none of the steps' work can be dropped; `extra` is the
+    first step's third output (decode_step's reads: a user's generation loop would not compute
+    them every step, so the loop does not either), or None."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -167,12 +169,15 @@ def decode_loop(step_fn: Callable, cfg, xs, n: int):
     stacked = jnp.stack([xs[i % len(xs)] for i in range(n)])
 
     def loop(params, stacked, cache):
+        first = step_fn(params, stacked[0], cfg, cache)
+
         def body(cache, x_t):
             out = step_fn(params, x_t, cfg, cache)
-            return out[1], (out[0], out[2] if len(out) > 2 else None)
+            return out[1], out[0]
 
-        cache, (ys, extra) = lax.scan(body, cache, stacked)
-        return ys, cache, extra
+        cache, ys = lax.scan(body, first[1], stacked[1:])
+        ys = jnp.concatenate([first[0][None], ys])
+        return ys, cache, (first[2] if len(first) > 2 else None)
 
     return jax.jit(loop, donate_argnums=(2,)), stacked
 
@@ -215,7 +220,7 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
     def call(i):
         ys, state["cache"], extra = jitted(params, stacked, state["cache"])
         if not first:  # the first step of the first call: the cache at position S
-            first["out"] = jax.tree_util.tree_map(lambda a: a[0], extra)
+            first["out"] = extra
         return ys
 
     timing = common.time_jax(call, iters=1, warmup=max(1, args.warmup), repeats=args.repeats)

@@ -25,6 +25,7 @@ from pallas_kernels.select_blocks import (
     BlockSizes as SelectBlocksBlockSizes,
     select_blocks,
     select_blocks_reference,
+    top_n,
 )
 from pallas_kernels.selected_attention import (
     BlockSizes as SelectedAttentionBlockSizes,
@@ -52,4 +53,5 @@ __all__ = [
     "selected_attention",
     "selected_attention_reference",
     "selected_attention_stages",
+    "top_n",
 ]

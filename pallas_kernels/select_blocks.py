@@ -437,6 +437,28 @@ def _top_n_pallas(score, n_sel: int, block_sizes: BlockSizes, interpret: bool):
     return idx[:math.prod(lead), :n_sel].reshape(*lead, n_sel)
 
 
+def top_n(score, n_sel: int, *, block_sizes: Optional[BlockSizes] = None,
+          interpret: bool = False, implementation: str = "triton"):
+    """The `n_sel` best of each row of `score [..., n]` (float32, higher is better; `-inf` is
+    never picked, `+inf` always first): block_idx int32 `[..., n_sel]`, ascending, `-1` padded;
+    among equal scores the lower index first (the spec's tie rule). The top-n kernel of
+    `topn="pallas"` (n padded to a power of two with `-inf`); `implementation="xla"`:
+    `lax.top_k` and a sort. Decode ranks its `[B, G, n_blocks]` scores with it: XLA's sort of a
+    row of 1,024 took 17 us on an H100 and its top-k kernel 62 us (bench/RESULTS.md)."""
+    check_implementation(implementation)
+    block_sizes = block_sizes or BlockSizes()
+    if not isinstance(n_sel, int) or n_sel < 1:
+        raise ValueError(f"n_sel ({n_sel!r}) must be an int >= 1")
+    score = score.astype(jnp.float32)
+    n = score.shape[-1]
+    if n < n_sel:
+        score = pad_axis(score, score.ndim - 1, n_sel, value=-jnp.inf)
+    if implementation == "xla":
+        return _top_n_xla(score, n_sel)
+    score = pad_axis(score, score.ndim - 1, next_pow2(score.shape[-1]), value=-jnp.inf)
+    return _top_n_pallas(score, n_sel, block_sizes, interpret)
+
+
 def _selection_config(*, cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local) -> NSAConfig:
     """Validate the selection hyperparameters through `NSAConfig`, the one place that checks
     them (`ValueError` naming the field, which is also the argument's name here)."""

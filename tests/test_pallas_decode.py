@@ -190,6 +190,43 @@ def _generation(params, x, cfg, max_len, backend):
     return jnp.concatenate(ys, axis=1), idx, reads
 
 
+def _tie_heavy_scores(rows: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(0, 4, size=(rows, n)).astype(np.float32)
+    scores[::5] = rng.standard_normal((len(scores[::5]), n))
+    scores[1::9] = 0.0
+    scores[2::9] = -0.0
+    scores[3::13, ::7] = np.inf
+    return scores
+
+
+@pytest.mark.parametrize("n_blocks,n_sel", [(1024, 16), (37, 5), (3, 4)])
+def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
+    """The Pallas decode path ranks with `rank_scores` + the top-n kernel (interpret mode): the
+    same blocks as `top_blocks`' sort on tie-heavy rows (ties, +-0, +inf, rows with fewer
+    eligible blocks than n_sel)."""
+    import pallas_kernels
+    from nsa_jax.xla.select_blocks import rank_scores, top_blocks
+
+    cfg = NSAConfig.paper(d_k=128, n_sel=n_sel)
+    scores = jnp.asarray(_tie_heavy_scores(24, n_blocks, seed=n_blocks))
+    t = jnp.asarray(np.random.default_rng(1).integers(0, n_blocks * 64, size=24), jnp.int32)
+    want = np.asarray(top_blocks(scores, t, cfg))
+    got = pallas_kernels.top_n(rank_scores(scores, t, cfg), n_sel, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    got_xla = pallas_kernels.top_n(rank_scores(scores, t, cfg), n_sel, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got_xla), want)
+
+
+def test_top_n_rejects_bad_arguments():
+    import pallas_kernels
+
+    with pytest.raises(ValueError, match="n_sel"):
+        pallas_kernels.top_n(jnp.zeros((2, 8)), 0, interpret=True)
+    with pytest.raises(ValueError, match="implementation"):
+        pallas_kernels.top_n(jnp.zeros((2, 8)), 2, implementation="cuda")
+
+
 @pytest.mark.parametrize("cfg", [
     NSAConfig.tiny(),                                                      # h = 2, d_k != d_v
     NSAConfig.tiny(compress="mean", shared_kv=True, n_heads=8, window=40),  # ring = max_len

@@ -47,7 +47,7 @@ def decode_select_blocks(p_group: jax.Array, cfg: NSAConfig, *, positions: jax.A
     del options
     overlap = jnp.asarray(overlap_weights(cfg, p_group.shape[-1], n_sel_blocks))
     scores = einsum("...gc,cs->...gs", p_group, overlap.astype(p_group.dtype), p_group.dtype)
-    return top_blocks(scores, positions[..., None], cfg, method="top_k")
+    return top_blocks(scores, positions[..., None], cfg)
 
 
 def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array,

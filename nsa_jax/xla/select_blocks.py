@@ -14,24 +14,16 @@ from nsa_jax.xla.compressed_attention import cmp_block_metadata, cmp_probabiliti
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 
 
-TOP_METHODS = ("sort", "top_k")
-
-
-def top_blocks(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig, *,
-               method: str = "sort") -> jax.Array:
+def top_blocks(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig) -> jax.Array:
     """scores: `[..., S]` group scores of selection blocks; q_pos: `[...]` local query positions.
     Returns block_idx int32 `[..., n_sel]`: the `n_sel` best eligible blocks, ascending, -1 padded.
 
     Eligible: `j <= t // l_sel`. Forced (+inf): `j < n_init` and the `n_local` most recent
-    eligible blocks. Equal scores go to the lower index (docs/NSA_SPEC.md).
-
-    method: "sort" sorts every row by the key `(-score, j)`; "top_k" takes `lax.top_k` of
-    `-key` (which puts the lower index first among equal values, the same rule) and sorts only
-    the n_sel picks. The same blocks either way; top_k is the cheaper one for the few long rows
-    of a decode step (an XLA sort of 1,024 scores per row took 17 us on an H100 at every B).
+    eligible blocks. Equal scores go to the lower index: the sort key is `(-score, j)`, which is
+    deterministic on every backend. (`lax.top_k` has the same tie rule, but XLA's GPU top-k
+    kernel took 62 us for the 4-128 rows of 1,024 scores of a decode step on an H100, the
+    sort 17 us; the Pallas decode path ranks with `pallas_kernels.top_n`.)
     """
-    if method not in TOP_METHODS:
-        raise ValueError(f"method ({method!r}) must be one of {list(TOP_METHODS)}")
     S = scores.shape[-1]
     j = jnp.arange(S, dtype=jnp.int32)
     last = (q_pos // cfg.sel_block)[..., None]
@@ -40,18 +32,25 @@ def top_blocks(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig, *,
     key = jnp.where(forced, -jnp.inf, -scores)
     key = jnp.where(key == 0, 0.0, key)  # -0.0 and +0.0 must tie (the sort is a total order)
     key = jnp.where(eligible, key, jnp.inf)
-    k = min(cfg.n_sel, S)
-    if method == "sort":
-        _, ranked = lax.sort((key, jnp.broadcast_to(j, key.shape)), dimension=-1, num_keys=2)
-        top = ranked[..., :k]
-    else:
-        _, top = lax.top_k(-key, k)
+    _, ranked = lax.sort((key, jnp.broadcast_to(j, key.shape)), dimension=-1, num_keys=2)
+    top = ranked[..., :cfg.n_sel]
     # Ineligible picks (fewer than n_sel eligible blocks) go last, then become -1.
     top = jnp.sort(jnp.where(top <= last, top, S), axis=-1)
     top = jnp.where(top == S, -1, top)
     if S < cfg.n_sel:
         top = jnp.pad(top, [(0, 0)] * (top.ndim - 1) + [(0, cfg.n_sel - S)], constant_values=-1)
     return top.astype(jnp.int32)
+
+
+def rank_scores(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig) -> jax.Array:
+    """`top_blocks`' eligibility and forcing as values where higher is better, for a top-n that
+    takes the best `n_sel` (lower index first on ties) and never picks `-inf`: forced blocks
+    `+inf`, ineligible blocks (and NaN scores) `-inf`, the others their score."""
+    j = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+    last = (q_pos // cfg.sel_block)[..., None]
+    forced = (j < cfg.n_init) | (j > last - cfg.n_local)
+    value = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+    return jnp.where(j <= last, jnp.where(forced, jnp.inf, value), -jnp.inf)
 
 
 def sel_scores(p_cmp: jax.Array, overlap: jax.Array) -> jax.Array:

@@ -55,19 +55,21 @@ def test_ragged_generation_pallas_float32():
                  steps=24, backend="pallas", tol=F32_TOL)
 
 
-def test_top_k_ranking_equals_the_sort_on_the_gpu():
-    """Decode ranks with lax.top_k (XLA's GPU top-k kernel): the same blocks as the sort by
-    (-score, index) on tie-heavy decode-sized rows (1,024 blocks, 128 rows, n_sel 16)."""
+def test_decode_ranking_equals_the_sort_on_the_gpu():
+    """The Pallas decode ranking (`rank_scores` + the top-n kernel, Triton) picks the same
+    blocks as `top_blocks`' sort on tie-heavy decode-sized rows (128 rows of 1,024 / 2,049
+    blocks, n_sel 16)."""
     import jax
 
-    from nsa_jax.xla import top_blocks
+    import pallas_kernels
+    from nsa_jax.xla.select_blocks import rank_scores, top_blocks
+    from test_pallas_decode import _tie_heavy_scores
 
     cfg = NSAConfig.paper(d_k=128)
-    rng = np.random.default_rng(0)
-    scores = rng.integers(0, 4, size=(128, 1024)).astype(np.float32)
-    scores[::5] = rng.standard_normal((26, 1024))
-    scores[1::9] = 0.0
-    t = jnp.asarray(rng.integers(0, 1024 * 64, size=128), jnp.int32)
-    by = {m: np.asarray(jax.jit(lambda s, t, m=m: top_blocks(s, t, cfg, method=m))(
-        jnp.asarray(scores), t)) for m in ("sort", "top_k")}
-    np.testing.assert_array_equal(by["top_k"], by["sort"])
+    for n_blocks in (1024, 2049):
+        scores = jnp.asarray(_tie_heavy_scores(128, n_blocks, seed=n_blocks))
+        t = jnp.asarray(np.random.default_rng(0).integers(0, n_blocks * 64, size=128), jnp.int32)
+        want = np.asarray(jax.jit(lambda s, t: top_blocks(s, t, cfg))(scores, t))
+        got = jax.jit(lambda s, t: pallas_kernels.top_n(rank_scores(s, t, cfg), cfg.n_sel))(
+            scores, t)
+        np.testing.assert_array_equal(np.asarray(got), want)
