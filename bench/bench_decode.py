@@ -27,6 +27,8 @@ carries the cache, as a jitted generation loop does, and reports the call's time
 device's time. "dispatch" calls the jitted step once per step from Python (the method of R4-R13):
 at B 1 and 8 that measured the host's dispatch of ~30 arguments (0.15-0.45 ms, falling as S
 grew), not the GPU. Both the NSA rows and the full-attention baselines use the same method.
+With "loop", a point runs (--warmup + --repeats) calls of --loop_steps steps; --iters is the
+calls per repeat of "dispatch" only.
 
 The cache of length S is filled with random K/V (and compressed blocks) directly and its
 position set to S, instead of running prefill over S tokens: a decode step's cost depends on the
