@@ -13,8 +13,9 @@ A sequence whose cache has no room left is never written past `max_len`: with co
 sets `cache.overflow[b]` (sticky), which the caller checks after the loop.
 
 Attention over the cache runs through the decode entries of `nsa_jax.dispatch`
-(`decode_compressed_attention`, `decode_select_blocks`, `decode_selected_window_attention`) on
-the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
+(`decode_compressed_select` for the compressed branch with the selection,
+`decode_compressed_attention` for the compressed branch alone, `decode_selected_window_attention`)
+on the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
 tried in order); block compression through its `compress_kv`.
 """
 from __future__ import annotations
@@ -447,14 +448,15 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         return dispatch.call(entry, backend, *args, options=options, positions=positions,
                              **kwargs)
 
-    if "cmp" in branches or "sel" in branches:
-        o, p_group = run("decode_compressed_attention", q, cache.k_cmp, cache.v_cmp, cfg,
-                         scale=cfg.scale)
+    if "sel" in branches:
+        # One entry for both (Pallas: the selection reads the compressed kernel's scores).
+        o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,
+                           scale=cfg.scale, n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
         if "cmp" in branches:
             o_cmp = o
-    if "sel" in branches:
-        block_idx = run("decode_select_blocks", p_group, cfg,
-                        n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
+    elif "cmp" in branches:
+        o_cmp, _ = run("decode_compressed_attention", q, cache.k_cmp, cache.v_cmp, cfg,
+                       scale=cfg.scale)
     if "sel" in branches or "win" in branches:
         # One entry runs both (Pallas: one kernel); without "sel" it gets no blocks.
         k_win, v_win, tokens = window if window is not None else (cache.k_win, cache.v_win, None)

@@ -188,5 +188,6 @@ GUARDS = {
     "sliding_window_attention": sliding_window_attention,
     "decode_compressed_attention": unguarded,
     "decode_select_blocks": unguarded,
+    "decode_compressed_select": unguarded,
     "decode_selected_window_attention": unguarded,
 }

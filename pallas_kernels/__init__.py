@@ -18,6 +18,8 @@ from pallas_kernels.decode import (
     DecodeBlockSizes,
     decode_compressed,
     decode_compressed_reference,
+    decode_compressed_select,
+    decode_compressed_select_reference,
     decode_selected_window,
     decode_selected_window_reference,
 )
@@ -45,6 +47,8 @@ __all__ = [
     "compressed_lse",
     "decode_compressed",
     "decode_compressed_reference",
+    "decode_compressed_select",
+    "decode_compressed_select_reference",
     "decode_selected_window",
     "decode_selected_window_reference",
     "random_block_idx",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 from typing import Optional
 
 import jax
@@ -37,15 +38,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from nsa_common import cmp_admissible
+from nsa_common import cmp_admissible, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, pad_axis, pallas_call)
+from pallas_kernels._topn import ascending, empty_top, insert_top
 
 __all__ = [
     "DecodeBlockSizes",
     "decode_compressed",
     "decode_compressed_reference",
+    "decode_compressed_select",
+    "decode_compressed_select_reference",
     "decode_selected_window",
     "decode_selected_window_reference",
 ]
@@ -61,6 +65,8 @@ class DecodeBlockSizes:
     blocks and the window tiles), until the grid holds `target_programs` programs; a combine
     step merges their partial softmaxes. A small batch then still fills the GPU (one program
     per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
+    block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
+    blocks scored per step, a power of two; not yet measured on a GPU).
     """
 
     block_cmp: int = 64
@@ -69,6 +75,8 @@ class DecodeBlockSizes:
     num_stages: int = 2
     target_programs: int = 264
     max_splits: int = 64
+    block_sel: int = 64
+    num_warps_select: int = 4
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
@@ -108,12 +116,12 @@ def _online_step(carry, s, v):
 
 
 def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
-                cmp_stride, block, n_cmp, tiles_per_split):
+                cmp_stride, block, n_cmp, tiles_per_split, score_offset=0):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); q_ref [h_pad, dk_pad];
     k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from n_cmp on are padding); this
     split's partial softmax over its tiles: o_ref [h_pad, dv_pad] (float32, normalised),
-    lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, C_pad] (log2 scores: each
-    split writes only its own slots)."""
+    lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, >= score_offset + C_pad] (the
+    log2 score of slot i at column score_offset + i: each split writes only its own slots)."""
     n_slots = k_ref.shape[0]
     t = t_ref[0]
     # Blocks visible to t: i*d + l - 1 <= t, written with a non-negative numerator (Triton's
@@ -138,7 +146,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
-        pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
+        pltriton.store(_score_tile(s_ref, start + score_offset, block), s, mask=new)
         return _online_step(carry, s, v)
 
     carry = lax.fori_loop(first_tile, live_end, visit, online_softmax_init(*o_ref.shape))
@@ -147,7 +155,8 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         first = i * block
         start, slot = _tile(first, block, n_slots)
         rows = s_ref.shape[0]
-        pltriton.store(_score_tile(s_ref, start, block), jnp.full((rows, block), MASK, jnp.float32),
+        pltriton.store(_score_tile(s_ref, start + score_offset, block),
+                       jnp.full((rows, block), MASK, jnp.float32),
                        mask=jnp.broadcast_to(slot >= first, (rows, block)))
         return unused
 
@@ -204,6 +213,47 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     carry = lax.fori_loop(first_tile, jnp.maximum(first_tile, end_tile), visit_ring,
                           online_softmax_init(*ow_ref.shape))
     ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
+
+
+def _select_kernel(t_ref, lse_ref, s_ref, idx_ref, *, cmp_block, cmp_stride, sel_block, n_cmp,
+                   n_blocks, n_init, n_local, n_sel, score_offset, block_sel):
+    """Grid (batch row, KV head). The decode selection of one query from the compressed kernel's
+    scores, in one pass: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded heads,
+    0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
+    score_offset + i, MASK where not admissible); idx_ref [1, n_sel_pad].
+
+    A step takes `block_sel` selection blocks j. Selection block j weighs compressed slots
+    `j*r + m` (r = l_sel / d, m from -(l/d - 1) to r - 1) by their overlap / d (the weights of
+    `nsa_common.overlap_weights`): one strided load of the scores per m, `2^(s - lse)` summed
+    over the heads, weighted, added. Forced blocks get +inf, blocks after t's -inf, and the step
+    is folded into a running top-n in registers (`_topn.insert_top`)."""
+    t = t_ref[0]
+    lse = lse_ref[...]
+    r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
+    last = lax.div(t, jnp.int32(sel_block))
+    live = jnp.minimum(lax.div(last + block_sel, jnp.int32(block_sel)),
+                       jnp.int32(-(-n_blocks // block_sel)))
+
+    def step(k, top):
+        j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
+        score = jnp.zeros((1, block_sel), jnp.float32)
+        for m in range(-left, r):
+            weight = (min(m * cmp_stride + cmp_block, sel_block) - max(m * cmp_stride, 0)) / cmp_stride
+            if weight <= 0:
+                continue
+            start = k * (block_sel * r) + (score_offset + m)
+            s = s_ref[:, pl.ds(start, block_sel, stride=r)]
+            slot = j * r + m
+            ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
+            p = jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0)
+            score = score + weight * jnp.sum(p, axis=0, keepdims=True)
+        forced = (j < n_init) | (j > last - n_local)
+        value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
+        value = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
+        return insert_top(*top, value, j)
+
+    _, top_idx = lax.fori_loop(jnp.int32(0), live, step, empty_top(1, n_sel, idx_ref.shape[1]))
+    idx_ref[...] = ascending(top_idx, n_sel)
 
 
 def combine_splits(o_part, lse_part):
@@ -289,16 +339,35 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     if implementation == "xla":
         return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
-    bs = block_sizes or DecodeBlockSizes()
+    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                      cmp_stride=cmp_stride, scale=scale,
+                                      bs=block_sizes or DecodeBlockSizes(), interpret=interpret)
+    # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
     h, C = H // G, k_cmp.shape[1]
-    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(H // G)
+    s = s[:, :, :h, :C]
+    finite = jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0)
+    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - finite[..., None]), 0.0), axis=2)
+    return o, (lse_log2 * LN_2).reshape(B, H), p_group
+
+
+def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
+                     score_offset: int = 0, min_cols: int = 0):
+    """The compressed kernel and the combine of its splits: (o [B, H, d_v] in q's dtype,
+    lse_log2 [B, G, h] float32, the raw log2 scores [B, G, h_pad, n_cols] float32 with slot i at
+    column score_offset + i, n_cols >= max(score_offset + slots, min_cols); columns no slot
+    maps to are never written)."""
+    B, H, dk = q.shape
+    G, C, dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
+    h = H // G
+    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
     kc, vc = _cache(k_cmp, bs.block_cmp, dk_pad), _cache(v_cmp, bs.block_cmp, dv_pad)
     n_slots = kc.shape[1]
+    n_cols = max(score_offset + n_slots, min_cols)
     n_tiles = -(-n_slots // bs.block_cmp)
     splits = bs.splits(B * G, n_tiles)
     kernel = functools.partial(_cmp_kernel, scale=float(scale), cmp_block=cmp_block,
                                cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C,
-                               tiles_per_split=-(-n_tiles // splits))
+                               tiles_per_split=-(-n_tiles // splits), score_offset=score_offset)
     per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
                                            lambda b, g, i: (b, g) + (0,) * len(tail))
     per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731
@@ -311,18 +380,72 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
-        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_slots)],
+        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_cols)],
         out_shape=[jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((B, G, h_pad, n_slots), jnp.float32)],
+                   jax.ShapeDtypeStruct((B, G, h_pad, n_cols), jnp.float32)],
     )(t, _query_rows(q, G, dk_pad), kc, vc)
     o, lse_log2 = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
-    # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
-    s = s[:, :, :h, :C]
-    finite = jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0)
-    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - finite[..., None]), 0.0), axis=2)
-    lse = lse_log2 * LN_2
-    return o.astype(q.dtype).reshape(B, H, dv), lse.reshape(B, H), p_group
+    return o.astype(q.dtype).reshape(B, H, dv), lse_log2, s
+
+
+def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
+                             sel_block: int, n_sel: int, n_init: int, n_local: int,
+                             n_blocks: int, scale: float,
+                             block_sizes: Optional[DecodeBlockSizes] = None,
+                             interpret: bool = False, implementation: str = "triton"):
+    """`decode_compressed` and the block selection of its query in two kernels, with no
+    `[B, G, C]` probabilities in between: the compressed kernel writes its log2 scores, and a
+    selection kernel per (batch row, KV head) turns them into the selection blocks' scores
+    (probabilities summed over the group's heads, weighted by the blocks' overlap), forces the
+    `n_init` first and `n_local` last blocks and keeps a running top `n_sel`.
+
+    Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, block_idx [B, G, n_sel] int32)`:
+    the `n_sel` best of the `n_blocks` selection blocks visible to t (`j <= t // sel_block`),
+    ascending, -1 padded; among equal scores the lower index (docs/NSA_SPEC.md).
+    """
+    check_implementation(implementation)
+    B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
+    if k_cmp.shape[1] != v_cmp.shape[1]:
+        raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
+    if sel_block % cmp_stride or cmp_block % cmp_stride:
+        raise ValueError(f"sel_block ({sel_block}) and cmp_block ({cmp_block}) must be "
+                         f"multiples of cmp_stride ({cmp_stride})")
+    if n_sel < 1 or n_blocks < 1:
+        raise ValueError(f"n_sel ({n_sel}) and n_blocks ({n_blocks}) must be >= 1")
+    t = _positions(t, B)
+    if implementation == "xla":
+        return decode_compressed_select_reference(
+            q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+            n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale)
+    bs = block_sizes or DecodeBlockSizes()
+    r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
+    block_sel = bs.block_sel
+    n_steps = -(-n_blocks // block_sel)
+    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                      cmp_stride=cmp_stride, scale=scale, bs=bs,
+                                      interpret=interpret, score_offset=left,
+                                      min_cols=left + n_steps * block_sel * r)
+    h, h_pad, n_sel_pad = H // G, s.shape[2], next_pow2(n_sel)
+    # Padded heads get lse +inf (2^(s - inf) = 0); a query that saw no key gets 0 (its scores
+    # are all MASK).
+    lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
+                        value=jnp.inf)
+    kernel = functools.partial(_select_kernel, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                               sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
+                               n_init=n_init, n_local=n_local, n_sel=n_sel, score_offset=left,
+                               block_sel=block_sel)
+    idx = pallas_call(
+        kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
+        interpret=interpret,
+        grid=(B, G),
+        in_specs=[pl.BlockSpec((1,), lambda b, g: (b,)),
+                  pl.BlockSpec((None, None, h_pad), lambda b, g: (b, g, 0)),
+                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g: (b, g, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, 1, n_sel_pad), lambda b, g: (b, g, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_sel_pad), jnp.int32),
+    )(t, lse_rows, s)
+    return o, (lse_log2 * LN_2).reshape(B, H), idx[:, :, 0, :n_sel]
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
@@ -423,6 +546,31 @@ def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_strid
     allowed = jnp.broadcast_to(cmp_admissible(slot, t, cmp_block, cmp_stride), (B, G, C))
     o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
     return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
+
+
+def decode_compressed_select_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
+                                       sel_block: int, n_sel: int, n_init: int, n_local: int,
+                                       n_blocks: int, scale: float):
+    """`decode_compressed_select` in plain JAX: the probabilities of `decode_compressed_reference`
+    times the dense overlap matrix, forced and eligible blocks, then a sort by (-score, index)."""
+    o, lse, p_group = decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                                  cmp_stride=cmp_stride, scale=scale)
+    weights = jnp.asarray(overlap_weights(SimpleNamespace(
+        cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block), p_group.shape[-1],
+        n_blocks))
+    score = jnp.einsum("bgc,cs->bgs", p_group, weights, precision=lax.Precision.HIGHEST)
+    j = jnp.arange(n_blocks, dtype=jnp.int32)
+    last = (jnp.broadcast_to(jnp.asarray(t, jnp.int32), (q.shape[0],)) // sel_block)[:, None, None]
+    forced = (j < n_init) | (j > last - n_local)
+    key = jnp.where(j <= last, jnp.where(forced, -jnp.inf, -score), jnp.inf)
+    key = jnp.where(key == 0, 0.0, key)
+    _, ranked = lax.sort((key, jnp.broadcast_to(j, key.shape)), dimension=-1, num_keys=2)
+    top = ranked[..., :n_sel]
+    top = jnp.sort(jnp.where(top <= last, top, n_blocks), axis=-1)
+    top = jnp.where(top == n_blocks, -1, top)
+    if n_blocks < n_sel:
+        top = jnp.pad(top, [(0, 0), (0, 0), (0, n_sel - n_blocks)], constant_values=-1)
+    return o, lse, top.astype(jnp.int32)
 
 
 def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t, *,

@@ -218,6 +218,41 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     np.testing.assert_array_equal(np.asarray(got_xla), want)
 
 
+@pytest.mark.parametrize("l,d,l_sel,n_sel,n_blocks,C", [
+    (8, 4, 16, 4, 12, 40),      # the paper's ratios, 4x smaller
+    (32, 16, 64, 16, 30, 100),  # the paper's sizes
+    (16, 16, 16, 3, 9, 9),      # l = d = l_sel: the overlap matrix is the identity
+    (12, 4, 24, 5, 7, 37),      # r = 6 (not a power of two), two slots before each block
+    (8, 4, 16, 8, 5, 20),       # fewer blocks than n_sel
+])
+def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n_blocks, C):
+    """The fused selection (interpret mode) picks the blocks of the unfused path
+    (`decode_compressed`'s probabilities, `band_scores`, `top_blocks`) and of its plain-JAX
+    reference, with the same o and lse, rows at different positions (one before any block)."""
+    from nsa_jax.xla.select_blocks import top_blocks
+
+    B, H, G = 4, 8, 2
+    x = _inputs(B, H, G, 16, 16, C, 64, 32, jnp.float32, seed=C)
+    t = jnp.asarray([n_blocks * l_sel - 1, l_sel * 2 + 3, l - 2, (C - 1) * d + l - 1], jnp.int32)
+    kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
+              n_blocks=n_blocks, scale=0.3)
+    o, lse, idx = D.decode_compressed_select(x["q"], x["k_cmp"], x["v_cmp"], t, interpret=True,
+                                             block_sizes=D.DecodeBlockSizes(block_sel=16), **kw)
+    o_r, lse_r, idx_r = D.decode_compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
+                                                             **kw)
+    o_u, lse_u, p_group = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=l,
+                                              cmp_stride=d, scale=0.3, interpret=True)
+    cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1,
+                         n_local=2, window=l_sel)
+    want = np.asarray(top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg))
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    np.testing.assert_array_equal(np.asarray(idx_r), want)
+    assert rel_err(o, o_u) <= F32_TOL and rel_err(o, o_r) <= F32_TOL
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_u))
+    # t = l - 2: no compressed block yet, only the forced block 0.
+    np.testing.assert_array_equal(np.asarray(idx)[2], [[0] + [-1] * (n_sel - 1)] * G)
+
+
 def test_top_n_rejects_bad_arguments():
     import pallas_kernels
 
@@ -285,6 +320,14 @@ def test_lowers_to_triton_on_any_host():
                 shape((B, ring, G, dv), bf), shape((B, G, 16), jnp.int32),
                 shape((), jnp.int32))
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 2
+
+        def fused(q, kc, vc, t):
+            return D.decode_compressed_select(q, kc, vc, t, cmp_block=32, cmp_stride=16,
+                                              sel_block=64, n_sel=16, n_init=1, n_local=2,
+                                              n_blocks=L // 64 + 1, scale=0.1)
+        text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 2
 
 

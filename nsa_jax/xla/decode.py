@@ -50,6 +50,18 @@ def decode_select_blocks(p_group: jax.Array, cfg: NSAConfig, *, positions: jax.A
     return top_blocks(scores, positions[..., None], cfg)
 
 
+def decode_compressed_select(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig,
+                             *, positions: jax.Array, scale: float, n_sel_blocks: int,
+                             options: Optional[XlaOptions] = None):
+    """`decode_compressed_attention` then `decode_select_blocks`: `(o_cmp [B, Q, H, d_v],
+    block_idx [B, Q, G, n_sel])`. The entry a backend may fuse (Pallas: no `[B, Q, G, C]`
+    probabilities in between)."""
+    o_cmp, p_group = decode_compressed_attention(q, k_cmp, v_cmp, cfg, positions=positions,
+                                                 scale=scale, options=options)
+    return o_cmp, decode_select_blocks(p_group, cfg, positions=positions,
+                                       n_sel_blocks=n_sel_blocks, options=options)
+
+
 def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array,
                                      block_idx: jax.Array, k_win: jax.Array, v_win: jax.Array,
                                      cfg: NSAConfig, *, positions: jax.Array, scale: float,
