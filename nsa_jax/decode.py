@@ -34,8 +34,9 @@ import nsa_common
 from nsa_common import (NSAConfig, cmp_admissible, num_admissible_cmp_blocks, num_cmp_blocks,
                         num_sel_blocks)
 from nsa_jax import checks, dispatch
+from nsa_jax.core import mix_branches
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
-                           kv_names, project)
+                           kv_names, output, project)
 from nsa_jax.rope import apply_rope
 
 BRANCHES = ("cmp", "sel", "win")
@@ -334,14 +335,16 @@ STEP_WEIGHTS = "decode_w_qkv"
 
 
 def prepare_decode_params(params, cfg: NSAConfig) -> dict:
-    """`params` plus `params["decode_w_qkv"]`: wq and every wk / wv side by side
-    (`[d_model, H*d_k + n_kv*G*(d_k + d_v)]`), concatenated once, so that a decode step computes
-    all its projections in one GEMM instead of one small GEMM per weight. `decode_step` uses it
-    when present (prepare again after changing the weights); the layer ignores it."""
+    """`params` plus `params["decode_w_qkv"]`: wq, every wk / wv and the gate weight wg side by
+    side (`[d_model, H*d_k + n_kv*G*(d_k + d_v) + 3H]`), concatenated once, so that a decode step
+    computes all its projections and its gate logits in one GEMM instead of one small GEMM per
+    weight. `decode_step` uses it when present (prepare again after changing the weights); the
+    layer ignores it."""
     plain = {key: value for key, value in params.items() if key != STEP_WEIGHTS}
     check_params(plain, cfg)
     names = kv_names(cfg)
-    parts = [params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+    parts = ([params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+             + [params["wg"]])
     return {**plain, STEP_WEIGHTS: jnp.concatenate(parts, axis=1)}
 
 
@@ -353,13 +356,15 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     names = kv_names(cfg)
     fused = dense(x_t, params[STEP_WEIGHTS])
-    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names)
+    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names) + [3 * H]
     pieces = jnp.split(fused, np.cumsum(widths)[:-1], axis=-1)
     rope = ((lambda a: a) if cfg.rope_theta is None
             else (lambda a: apply_rope(a, positions, cfg.rope_theta)))
     out = {"q": rope(pieces[0].reshape(B, T, H, dk))}
     keys = {n: rope(p.reshape(B, T, G, dk)) for n, p in zip(names, pieces[1:1 + len(names)])}
-    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[1 + len(names):])}
+    values = {n: p.reshape(B, T, G, dv)
+              for n, p in zip(names, pieces[1 + len(names):1 + 2 * len(names)])}
+    out["gate_logits"] = pieces[-1]
     for c in BRANCHES:
         name = "shared" if cfg.shared_kv else c
         out[f"k_{c}"], out[f"v_{c}"] = keys[name], values[name]
@@ -408,7 +413,12 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
                                              backend, options)
-    y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
+    if "gate_logits" in proj:  # prepared params: the gates came out of the projection GEMM
+        gates = jax.nn.sigmoid(proj["gate_logits"] + params["bg"]).reshape(
+            x_t.shape[0], 1, cfg.n_heads, 3)
+        y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win))
+    else:
+        y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
     reads = step_reads(cfg, t, block_idx)
     aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     cache = cache._replace(lengths=t + new, overflow=cache.overflow | ~fits)
