@@ -269,6 +269,51 @@ def combine_splits(o_part, lse_part):
     return o, jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
+def _combine_kernel(*refs, splits: int, n: int):
+    """Grid (batch row, KV head). The split-KV combine of `n` partial softmaxes in one program:
+    refs = n x lse_ref [S_pad, h_pad] (log2; rows from `splits` on are never written), n x o_ref
+    [S_pad, h_pad, dv_pad] (float32, each normalised over its split's keys), then n x out_ref
+    [h_pad, dv_pad] (the merged o, in the output dtype; 0 where no split saw a key) and n x
+    lse_out_ref [h_pad] (log2, -inf there). `combine_splits` is the same in XLA."""
+    lse_refs, o_refs = refs[:n], refs[n:2 * n]
+    out_refs, lse_out_refs = refs[2 * n:3 * n], refs[3 * n:]
+    for lse_ref, o_ref, out_ref, lse_out_ref in zip(lse_refs, o_refs, out_refs, lse_out_refs):
+        row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
+        lse = jnp.where(row < splits, lse_ref[...], -jnp.inf)
+        m = jnp.max(lse, axis=0)
+        m = jnp.where(m > -jnp.inf, m, 0.0)
+        total = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0), axis=0)
+
+        def add(i, acc, lse_ref=lse_ref, o_ref=o_ref, m=m):
+            lse_i = lse_ref[i]
+            weight = jnp.where(lse_i > -jnp.inf, jnp.exp2(lse_i - m), 0.0)
+            return acc + weight[:, None] * o_ref[i]
+
+        acc = lax.fori_loop(jnp.int32(0), jnp.int32(splits), add,
+                            jnp.zeros(out_ref.shape, jnp.float32))
+        safe = jnp.where(total > 0, total, 1.0)
+        out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
+        lse_out_ref[...] = jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
+
+
+def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
+    """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad]), ...]` ->
+    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all."""
+    B, G, S_pad, h_pad, dv_pad = parts[0][0].shape
+    n = len(parts)
+    spec = lambda *tail: pl.BlockSpec((None, None, *tail),                     # noqa: E731
+                                      lambda b, g: (b, g) + (0,) * len(tail))
+    outs = pallas_call(
+        functools.partial(_combine_kernel, splits=splits, n=n), name="nsa_decode_combine",
+        num_warps=num_warps, num_stages=1, interpret=interpret, grid=(B, G),
+        in_specs=[spec(S_pad, h_pad)] * n + [spec(S_pad, h_pad, dv_pad)] * n,
+        out_specs=[spec(h_pad, dv_pad)] * n + [spec(h_pad)] * n,
+        out_shape=([jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)] * n
+                   + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
+    )(*[lse for _, lse in parts], *[o for o, _ in parts])
+    return list(zip(outs[:n], outs[n:]))
+
+
 # ----------------------------------------------------------------------------------------------
 # Wrappers
 
@@ -374,6 +419,7 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
                                         lambda b, g, i: (b, 0, g, 0))
+    s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
     o_part, lse_part, s = pallas_call(
         kernel, name="nsa_decode_compressed", num_warps=bs.num_warps, num_stages=bs.num_stages,
         interpret=interpret,
@@ -381,12 +427,13 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
         out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_cols)],
-        out_shape=[jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, h_pad, n_cols), jnp.float32)],
     )(t, _query_rows(q, G, dk_pad), kc, vc)
-    o, lse_log2 = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
-    return o.astype(q.dtype).reshape(B, H, dv), lse_log2, s
+    [(o, lse_log2)] = _combine([(o_part, lse_part)], splits, q.dtype, num_warps=bs.num_warps,
+                               interpret=interpret)
+    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s
 
 
 def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
@@ -493,8 +540,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda n, d: pl.BlockSpec((None, n, None, d),                 # noqa: E731
                                            lambda b, g, i: (b, 0, g, 0))
-    o_part = jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32)
-    lse_part = jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32)
+    s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
+    o_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32)
+    lse_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32)
     os_part, ls_part, ow_part, lw_part = pallas_call(
         kernel, name="nsa_decode_selected_window", num_warps=bs.num_warps,
         num_stages=bs.num_stages, interpret=interpret,
@@ -507,11 +555,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
         out_shape=[o_part, lse_part] * 2,
     )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
 
-    def merged(o_part, lse_part):
-        o, _ = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
-        return o.astype(q.dtype).reshape(B, H, dv)
-
-    return merged(os_part, ls_part), merged(ow_part, lw_part)
+    merged = _combine([(os_part, ls_part), (ow_part, lw_part)], splits, q.dtype,
+                      num_warps=bs.num_warps, interpret=interpret)
+    return tuple(o[:, :, :h, :dv].reshape(B, H, dv) for o, _ in merged)
 
 
 # ----------------------------------------------------------------------------------------------

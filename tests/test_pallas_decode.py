@@ -253,6 +253,27 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     np.testing.assert_array_equal(np.asarray(idx)[2], [[0] + [-1] * (n_sel - 1)] * G)
 
 
+@pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8)])
+def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
+    """The split-KV combine kernel (interpret mode) against `combine_splits`: random partial
+    softmaxes, a split without keys (-inf), a row no split saw (o 0, lse -inf), and the unwritten
+    padding rows of S_pad holding NaN (never read)."""
+    rng = np.random.default_rng(splits)
+    B, G, h, dv = 2, 3, 16, 32
+    o = rng.standard_normal((B, G, s_pad, h, dv)).astype(np.float32)
+    lse = (3 * rng.standard_normal((B, G, s_pad, h))).astype(np.float32)
+    lse[0, 0, 0, :] = -np.inf
+    lse[1, 2, :, 5] = -np.inf
+    o[..., splits:, :, :], lse[..., splits:, :] = np.nan, np.nan
+    [(got, got_lse)] = D._combine([(jnp.asarray(o), jnp.asarray(lse))], splits, jnp.float32,
+                                  num_warps=4, interpret=True)
+    want, want_lse = D.combine_splits(jnp.asarray(o[:, :, :splits]),
+                                      jnp.asarray(lse[:, :, :splits]))
+    assert rel_err(got, want) <= F32_TOL
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+    assert np.all(np.asarray(got)[1, 2, 5] == 0) and np.asarray(got_lse)[1, 2, 5] == -np.inf
+
+
 def test_top_n_rejects_bad_arguments():
     import pallas_kernels
 
@@ -304,8 +325,9 @@ def test_decode_step_pallas_options_and_errors():
 
 
 def test_lowers_to_triton_on_any_host():
-    """Both decode kernels lower through the Pallas Triton lowering at the paper's decode sizes
-    (B 32, 64k cache, not a multiple of any tile; d_k 192 takes the padded path)."""
+    """The decode kernels (with their split combines, and the fused selection) lower through the
+    Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a multiple of any
+    tile; d_k 192 takes the padded path)."""
     shape = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     B, H, G, dv, L, ring = 32, 64, 4, 128, 65600, 512
@@ -320,7 +342,7 @@ def test_lowers_to_triton_on_any_host():
                 shape((B, ring, G, dv), bf), shape((B, G, 16), jnp.int32),
                 shape((), jnp.int32))
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 2
+        assert text.count("xla.gpu.triton") == 4      # two kernels, each with its combine
 
         def fused(q, kc, vc, t):
             return D.decode_compressed_select(q, kc, vc, t, cmp_block=32, cmp_stride=16,
@@ -328,7 +350,7 @@ def test_lowers_to_triton_on_any_host():
                                               n_blocks=L // 64 + 1, scale=0.1)
         text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 2
+        assert text.count("xla.gpu.triton") == 3      # compressed, combine, selection
 
 
 def test_ragged_decode_pallas_matches_each_sequence():
