@@ -38,6 +38,7 @@ from nsa_jax.core import mix_branches
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
                            kv_names, output, project)
 from nsa_jax.rope import apply_rope
+from nsa_jax.xla.decode import put_rows
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -160,14 +161,7 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
     return (y, cache, aux) if return_aux else (y, cache)
 
 
-def _rows(B: int) -> jax.Array:
-    return jnp.arange(B, dtype=jnp.int32)[:, None]
-
-
-def _put(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
-    """buf `[B, S, ...]` with `values [B, T, ...]` written at `index [B, T]`; indices `>= S`
-    (the tokens not to write) are dropped, so a donated buffer is updated in place."""
-    return buf.at[_rows(buf.shape[0]), index].set(values.astype(buf.dtype), mode="drop")
+_put = put_rows
 
 
 def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
@@ -178,9 +172,11 @@ def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
     return jnp.take_along_axis(ring, slot[:, :, None, None], axis=1)
 
 
-def _append_tokens(cache: DecodeCache, proj: dict, pos, new) -> DecodeCache:
+def _append_tokens(cache: DecodeCache, proj: dict, pos, new, cfg: NSAConfig, backend,
+                   options) -> DecodeCache:
     """Write the projected tokens `proj["k_*"] [B, T, G, d]` at positions `pos [B, T]`, of which
-    the first `new [B]` per row are real, into the token buffers and the two rings. Only the
+    the first `new [B]` per row are real, into the token buffers and the two rings, through the
+    dispatch's `decode_append` (Pallas: one kernel for the six appends of a step). Only the
     last `R` tokens of a row go to a ring of R slots, so no two writes share a slot."""
     B, T = pos.shape
     i = jnp.arange(T, dtype=jnp.int32)[None]
@@ -191,11 +187,12 @@ def _append_tokens(cache: DecodeCache, proj: dict, pos, new) -> DecodeCache:
 
     sel_index = jnp.where(real, pos, cache.max_len)
     win, raw = ring_index(cache.k_win.shape[1]), ring_index(cache.k_raw.shape[1])
-    return cache._replace(
-        k_sel=_put(cache.k_sel, proj["k_sel"], sel_index),
-        v_sel=_put(cache.v_sel, proj["v_sel"], sel_index),
-        k_win=_put(cache.k_win, proj["k_win"], win), v_win=_put(cache.v_win, proj["v_win"], win),
-        k_raw=_put(cache.k_raw, proj["k_cmp"], raw), v_raw=_put(cache.v_raw, proj["v_cmp"], raw))
+    names = ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw")
+    tokens = tuple(proj[n.replace("raw", "cmp")] for n in names)
+    index = (sel_index, sel_index, win, win, raw, raw)
+    buffers = dispatch.call("decode_append", backend, tuple(getattr(cache, n) for n in names),
+                            tokens, index, cfg, positions=pos, options=options)
+    return cache._replace(**dict(zip(names, buffers)))
 
 
 def _room(cache: DecodeCache, new) -> tuple[jax.Array, jax.Array]:
@@ -225,7 +222,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
         # Causal: the layer's outputs at a row's real tokens ignore the padding after them.
         y, aux, proj, parts = forward_unchecked(params, x, None, cfg=cfg, backend=backend,
                                                 options=options, internals=True)
-        cache = _append_tokens(cache, proj, pos, new)
+        cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
         n_blocks = parts["k_cmp"].shape[1]
         block = jnp.arange(n_blocks, dtype=jnp.int32)[None]
         cmp_index = jnp.where(cmp_admissible(block, end[:, None] - 1, l, d), block, n_slots)
@@ -260,7 +257,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
             jnp.concatenate([_ordered_ring(cache.v_win, start - ring),
                              proj["v_win"].astype(cache.v_win.dtype)], 1),
             (start - ring)[:, None] + jnp.arange(ring + T, dtype=jnp.int32))  # [B, ring + T]
-        cache = _append_tokens(cache, proj, pos, new)
+        cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
     cache = cache._replace(k_cmp=_put(cache.k_cmp, k_blocks, cmp_index),
                            v_cmp=_put(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
@@ -408,7 +405,7 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     fits, new = _room(cache, jnp.ones_like(cache.lengths))
     t = cache.lengths                                                      # [B]
     proj = _project_step(params, x_t, cfg, t[:, None])
-    cache = _append_tokens(cache, proj, t[:, None], new)
+    cache = _append_tokens(cache, proj, t[:, None], new, cfg, backend, options)
     emit = fits & nsa_common.completes_cmp_block(t, l, d)
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,

@@ -122,6 +122,19 @@ def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: in
                  interpret=options.resolve_interpret())
 
 
+def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions,
+                  options: Optional[PallasOptions] = None):
+    """A decode step's appends (one token per sequence) in one kernel, in place
+    (`pallas_kernels.append_rows`); a chunk, or G*d not a power of two, goes to XLA."""
+    del cfg, positions
+    if any(t.shape[1] != 1 for t in tokens):
+        raise NotImplementedError("the Pallas append kernel writes one token per sequence")
+    options = options or DEFAULT_OPTIONS
+    return kernels.append_rows(buffers, tuple(t[:, 0] for t in tokens),
+                               tuple(i[:, 0] for i in index),
+                               interpret=options.resolve_interpret())
+
+
 def decode_compressed_select(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, scale,
                              n_sel_blocks: int, options: Optional[PallasOptions] = None):
     """The compressed branch and the selection in two kernels, with no probabilities in between
@@ -162,6 +175,7 @@ def register() -> None:
     register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
     register_backend("decode_select_blocks", "pallas", decode_select_blocks)
     register_backend("decode_compressed_select", "pallas", decode_compressed_select)
+    register_backend("decode_append", "pallas", decode_append)
     register_backend("decode_selected_window_attention", "pallas",
                      decode_selected_window_attention)
     register_fallback("pallas", "xla")

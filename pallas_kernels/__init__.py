@@ -16,6 +16,7 @@ from pallas_kernels.compressed_attention import (
 )
 from pallas_kernels.decode import (
     DecodeBlockSizes,
+    append_rows,
     decode_compressed,
     decode_compressed_reference,
     decode_compressed_select,
@@ -42,6 +43,7 @@ __all__ = [
     "DecodeBlockSizes",
     "SelectBlocksBlockSizes",
     "SelectedAttentionBlockSizes",
+    "append_rows",
     "compressed_attention",
     "compressed_attention_reference",
     "compressed_lse",

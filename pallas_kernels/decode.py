@@ -46,6 +46,7 @@ from pallas_kernels._topn import ascending, empty_top, insert_top
 
 __all__ = [
     "DecodeBlockSizes",
+    "append_rows",
     "decode_compressed",
     "decode_compressed_reference",
     "decode_compressed_select",
@@ -312,6 +313,58 @@ def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
                    + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
     )(*[lse for _, lse in parts], *[o for o, _ in parts])
     return list(zip(outs[:n], outs[n:]))
+
+
+def _append_kernel(*refs, n: int):
+    """Grid (batch row,). refs = n x idx_ref [1] (the row to write; >= the buffer's length: none),
+    n x tok_ref [1, W] (the token, W = G*d), n x the aliased buffers (unread), n x out_ref
+    [S, W] (the same buffers, written in place)."""
+    idx_refs, tok_refs, out_refs = refs[:n], refs[n:2 * n], refs[3 * n:]
+    for idx_ref, tok_ref, out_ref in zip(idx_refs, tok_refs, out_refs):
+        row = idx_ref[0]
+        size = out_ref.shape[0]
+        token = tok_ref[...]
+        ok = jnp.broadcast_to(row < size, token.shape)
+        # Every index int32 (a bare `:` would be int64 under jax_enable_x64).
+        view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1),
+                          pl.ds(jnp.int32(0), out_ref.shape[1])]
+        pltriton.store(view, token, mask=ok)
+
+
+def append_rows(buffers, tokens, index, *, interpret: bool = False):
+    """The appends of a decode step in one kernel, in place: each `buffers[i] [B, S_i, G, d]`
+    with `tokens[i] [B, G, d]` written at row `index[i] [B]` (int; `>= S_i`: not written).
+    G*d must be a power of two >= 16 for every buffer (the row is one vector store). Returns the
+    updated buffers (aliased to the inputs: donate them, or XLA copies them first)."""
+    n = len(buffers)
+    if not (n == len(tokens) == len(index)) or n == 0:
+        raise ValueError(f"append_rows takes as many tokens and indices as buffers (got {n}, "
+                         f"{len(tokens)}, {len(index)})")
+    B = buffers[0].shape[0]
+    flat, toks, rows = [], [], []
+    for buf, tok, idx in zip(buffers, tokens, index):
+        width = buf.shape[2] * buf.shape[3]
+        if width != next_pow2(width) or width < 16:
+            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
+        if tok.shape != (B,) + buf.shape[2:] or idx.shape != (B,):
+            raise ValueError(f"token {tok.shape} / index {idx.shape} do not match buffer "
+                             f"{buf.shape}")
+        flat.append(buf.reshape(B, buf.shape[1], width))
+        toks.append(tok.astype(buf.dtype).reshape(B, 1, width))
+        rows.append(idx.astype(jnp.int32))
+    outs = pallas_call(
+        functools.partial(_append_kernel, n=n), name="nsa_decode_append", num_warps=4,
+        num_stages=1, interpret=interpret, grid=(B,),
+        in_specs=([pl.BlockSpec((1,), lambda b: (b,))] * n
+                  + [pl.BlockSpec((None, 1, t.shape[2]), lambda b: (b, 0, 0)) for t in toks]
+                  + [pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                     for f in flat]),
+        out_specs=[pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                   for f in flat],
+        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
+        input_output_aliases={2 * n + i: i for i in range(n)},
+    )(*rows, *toks, *flat)
+    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -274,6 +274,30 @@ def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
     assert np.all(np.asarray(got)[1, 2, 5] == 0) and np.asarray(got_lse)[1, 2, 5] == -np.inf
 
 
+def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
+    """The append kernel (interpret mode) writes each token at its row of its buffer, leaves
+    every other row as it was, and writes nothing for an index past the buffer's end; the
+    result equals XLA's scatter (`put_rows`)."""
+    import pallas_kernels
+    from nsa_jax.xla.decode import put_rows
+
+    rng = np.random.default_rng(3)
+    B, G = 3, 2
+    buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
+                    for S, d in ((40, 16), (8, 32), (5, 16)))
+    tokens = tuple(jnp.asarray(rng.standard_normal((B, G, b.shape[3])), jnp.float32)
+                   for b in buffers)
+    index = (jnp.asarray([0, 39, 40], jnp.int32), jnp.asarray([7, 3, 100], jnp.int32),
+             jnp.asarray([2, 4, 0], jnp.int32))
+    got = pallas_kernels.append_rows(buffers, tokens, index, interpret=True)
+    for g, b, t, i in zip(got, buffers, tokens, index):
+        want = put_rows(b, t[:, None], i[:, None])
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(NotImplementedError, match="power of two"):
+        pallas_kernels.append_rows((jnp.zeros((1, 4, 3, 16)),), (jnp.zeros((1, 3, 16)),),
+                                   (jnp.zeros((1,), jnp.int32),), interpret=True)
+
+
 def test_top_n_rejects_bad_arguments():
     import pallas_kernels
 
@@ -325,9 +349,11 @@ def test_decode_step_pallas_options_and_errors():
 
 
 def test_lowers_to_triton_on_any_host():
-    """The decode kernels (with their split combines, and the fused selection) lower through the
-    Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a multiple of any
-    tile; d_k 192 takes the padded path)."""
+    """The decode kernels (with their split combines, the fused selection and the appends) lower
+    through the Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a
+    multiple of any tile; d_k 192 takes the padded path)."""
+    import pallas_kernels
+
     shape = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     B, H, G, dv, L, ring = 32, 64, 4, 128, 65600, 512
@@ -351,6 +377,16 @@ def test_lowers_to_triton_on_any_host():
         text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 3      # compressed, combine, selection
+
+    def append(*buffers_and_tokens):
+        buffers, tokens = buffers_and_tokens[:6], buffers_and_tokens[6:]
+        rows = jnp.arange(B, dtype=jnp.int32)
+        return pallas_kernels.append_rows(buffers, tokens, (rows,) * 6)
+    bufs = [shape((B, n, G, 128), bf) for n in (L, L, ring, ring, 32, 32)]
+    toks = [shape((B, G, 128), bf)] * 6
+    text = jax.jit(append, donate_argnums=tuple(range(6))).trace(*bufs, *toks).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
 
 
 def test_ragged_decode_pallas_matches_each_sequence():

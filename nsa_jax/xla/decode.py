@@ -23,6 +23,21 @@ from nsa_jax.xla.selected_attention import selected_chunk
 from nsa_jax.xla.sliding_window import window_chunk
 
 
+def put_rows(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+    """buf `[B, S, ...]` with `values [B, T, ...]` written at `index [B, T]`; indices `>= S`
+    (the tokens not to write) are dropped, so a donated buffer is updated in place."""
+    rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+    return buf.at[rows, index].set(values.astype(buf.dtype), mode="drop")
+
+
+def decode_append(buffers: tuple, tokens: tuple, index: tuple, cfg: NSAConfig, *,
+                  positions: jax.Array, options: Optional[XlaOptions] = None) -> tuple:
+    """The cache appends of a step or a chunk: each `buffers[i] [B, S_i, G, d]` with
+    `tokens[i] [B, T, G, d]` written at `index[i] [B, T]` (`>= S_i`: not written)."""
+    del cfg, positions, options
+    return tuple(put_rows(b, v, i) for b, v, i in zip(buffers, tokens, index))
+
+
 def decode_compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array,
                                 cfg: NSAConfig, *, positions: jax.Array, scale: float,
                                 options: Optional[XlaOptions] = None):
