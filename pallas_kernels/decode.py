@@ -271,11 +271,13 @@ def combine_splits(o_part, lse_part):
 
 
 def _combine_kernel(*refs, splits: int, n: int):
-    """Grid (batch row, KV head). The split-KV combine of `n` partial softmaxes in one program:
-    refs = n x lse_ref [S_pad, h_pad] (log2; rows from `splits` on are never written), n x o_ref
-    [S_pad, h_pad, dv_pad] (float32, each normalised over its split's keys), then n x out_ref
-    [h_pad, dv_pad] (the merged o, in the output dtype; 0 where no split saw a key) and n x
-    lse_out_ref [h_pad] (log2, -inf there). `combine_splits` is the same in XLA."""
+    """Grid (batch row, KV head, head chunk, d_v chunk). The split-KV combine of `n` partial
+    softmaxes: refs = n x lse_ref [S_pad, h_c] (log2; rows from `splits` on are never written),
+    n x o_ref [S_pad, h_c, dv_c] (float32, each normalised over its split's keys), then n x
+    out_ref [h_c, dv_c] (the merged o, in the output dtype; 0 where no split saw a key) and n x
+    lse_out_ref [h_c] (log2, -inf there; every d_v chunk writes the same values). The whole slab
+    is loaded at once (no loop over the splits), and the grid spreads a batch of one over many
+    SMs. `combine_splits` is the same in XLA."""
     lse_refs, o_refs = refs[:n], refs[n:2 * n]
     out_refs, lse_out_refs = refs[2 * n:3 * n], refs[3 * n:]
     for lse_ref, o_ref, out_ref, lse_out_ref in zip(lse_refs, o_refs, out_refs, lse_out_refs):
@@ -283,32 +285,40 @@ def _combine_kernel(*refs, splits: int, n: int):
         lse = jnp.where(row < splits, lse_ref[...], -jnp.inf)
         m = jnp.max(lse, axis=0)
         m = jnp.where(m > -jnp.inf, m, 0.0)
-        total = jnp.sum(jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0), axis=0)
-
-        def add(i, acc, lse_ref=lse_ref, o_ref=o_ref, m=m):
-            lse_i = lse_ref[i]
-            weight = jnp.where(lse_i > -jnp.inf, jnp.exp2(lse_i - m), 0.0)
-            return acc + weight[:, None] * o_ref[i]
-
-        acc = lax.fori_loop(jnp.int32(0), jnp.int32(splits), add,
-                            jnp.zeros(out_ref.shape, jnp.float32))
+        weight = jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0)     # [S_pad, h_c]
+        total = jnp.sum(weight, axis=0)
+        row3 = lax.broadcasted_iota(jnp.int32, o_ref.shape, 0)
+        o = jnp.where(row3 < splits, o_ref[...], 0.0)    # unwritten rows may hold NaN
+        acc = jnp.sum(weight[:, :, None] * o, axis=0)
         safe = jnp.where(total > 0, total, 1.0)
         out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
         lse_out_ref[...] = jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
+# Elements of the o slab one combine program loads (4,096: 32 float32 registers a thread at 4
+# warps).
+_COMBINE_SLAB = 4096
+
+
 def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
     """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad]), ...]` ->
-    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all."""
+    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all.
+    A program takes `[S_pad, h_c, dv_c]` of each (about `_COMBINE_SLAB` elements, powers of two,
+    dv_c >= 16)."""
     B, G, S_pad, h_pad, dv_pad = parts[0][0].shape
+    dv_c = max(16, min(dv_pad, _COMBINE_SLAB // (S_pad * h_pad)))
+    h_c = max(1, min(h_pad, _COMBINE_SLAB // (S_pad * dv_c)))
     n = len(parts)
-    spec = lambda *tail: pl.BlockSpec((None, None, *tail),                     # noqa: E731
-                                      lambda b, g: (b, g) + (0,) * len(tail))
+    grid = (B, G, h_pad // h_c, dv_pad // dv_c)
+    lse_spec = pl.BlockSpec((None, None, S_pad, h_c), lambda b, g, i, j: (b, g, 0, i))
+    o_spec = pl.BlockSpec((None, None, S_pad, h_c, dv_c), lambda b, g, i, j: (b, g, 0, i, j))
+    out_spec = pl.BlockSpec((None, None, h_c, dv_c), lambda b, g, i, j: (b, g, i, j))
+    lse_out_spec = pl.BlockSpec((None, None, h_c), lambda b, g, i, j: (b, g, i))
     outs = pallas_call(
         functools.partial(_combine_kernel, splits=splits, n=n), name="nsa_decode_combine",
-        num_warps=num_warps, num_stages=1, interpret=interpret, grid=(B, G),
-        in_specs=[spec(S_pad, h_pad)] * n + [spec(S_pad, h_pad, dv_pad)] * n,
-        out_specs=[spec(h_pad, dv_pad)] * n + [spec(h_pad)] * n,
+        num_warps=num_warps, num_stages=1, interpret=interpret, grid=grid,
+        in_specs=[lse_spec] * n + [o_spec] * n,
+        out_specs=[out_spec] * n + [lse_out_spec] * n,
         out_shape=([jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)] * n
                    + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
     )(*[lse for _, lse in parts], *[o for o, _ in parts])

@@ -253,11 +253,12 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     np.testing.assert_array_equal(np.asarray(idx)[2], [[0] + [-1] * (n_sel - 1)] * G)
 
 
-@pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8)])
+@pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8), (37, 64)])
 def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
     """The split-KV combine kernel (interpret mode) against `combine_splits`: random partial
     softmaxes, a split without keys (-inf), a row no split saw (o 0, lse -inf), and the unwritten
-    padding rows of S_pad holding NaN (never read)."""
+    padding rows of S_pad holding NaN (masked). S_pad 64 splits the heads over 4 programs and
+    d_v over 2."""
     rng = np.random.default_rng(splits)
     B, G, h, dv = 2, 3, 16, 32
     o = rng.standard_normal((B, G, s_pad, h, dv)).astype(np.float32)
