@@ -353,14 +353,17 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     names = kv_names(cfg)
     fused = dense(x_t, params[STEP_WEIGHTS])
-    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names) + [3 * H]
-    pieces = jnp.split(fused, np.cumsum(widths)[:-1], axis=-1)
-    rope = ((lambda a: a) if cfg.rope_theta is None
-            else (lambda a: apply_rope(a, positions, cfg.rope_theta)))
-    out = {"q": rope(pieces[0].reshape(B, T, H, dk))}
-    keys = {n: rope(p.reshape(B, T, G, dk)) for n, p in zip(names, pieces[1:1 + len(names)])}
-    values = {n: p.reshape(B, T, G, dv)
-              for n, p in zip(names, pieces[1 + len(names):1 + 2 * len(names)])}
+    # q and every key are side by side in the GEMM's output: RoPE turns them as one array of
+    # H + n_kv*G heads (one fusion instead of one per projection).
+    n_rope = H + len(names) * G
+    heads = fused[..., :n_rope * dk].reshape(B, T, n_rope, dk)
+    if cfg.rope_theta is not None:
+        heads = apply_rope(heads, positions, cfg.rope_theta)
+    widths = [G * dv] * len(names) + [3 * H]
+    pieces = jnp.split(fused[..., n_rope * dk:], np.cumsum(widths)[:-1], axis=-1)
+    out = {"q": heads[:, :, :H]}
+    keys = {n: heads[:, :, H + i * G:H + (i + 1) * G] for i, n in enumerate(names)}
+    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[:len(names)])}
     out["gate_logits"] = pieces[-1]
     for c in BRANCHES:
         name = "shared" if cfg.shared_kv else c
