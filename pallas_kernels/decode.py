@@ -43,6 +43,7 @@ from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, ch
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, pad_axis, pallas_call)
 from pallas_kernels._topn import ascending, empty_top, insert_top
+from pallas_kernels.select_blocks import top_n
 
 __all__ = [
     "DecodeBlockSizes",
@@ -66,8 +67,10 @@ class DecodeBlockSizes:
     blocks and the window tiles), until the grid holds `target_programs` programs; a combine
     step merges their partial softmaxes. A small batch then still fills the GPU (one program
     per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
-    block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
-    blocks scored per step, a power of two; not yet measured on a GPU).
+    block_sel, num_warps_select, select_programs: the selection kernel of
+    `decode_compressed_select` (selection blocks scored per step, a power of two; a batch with
+    fewer than `select_programs` (batch row, KV head) pairs splits its blocks into chunks, each
+    with its own top-n, merged after on the top-n kernel). Not yet measured on a GPU.
     """
 
     block_cmp: int = 64
@@ -78,6 +81,7 @@ class DecodeBlockSizes:
     max_splits: int = 64
     block_sel: int = 64
     num_warps_select: int = 4
+    select_programs: int = 128
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
@@ -216,12 +220,18 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
 
 
-def _select_kernel(t_ref, lse_ref, s_ref, idx_ref, *, cmp_block, cmp_stride, sel_block, n_cmp,
-                   n_blocks, n_init, n_local, n_sel, score_offset, block_sel):
-    """Grid (batch row, KV head). The decode selection of one query from the compressed kernel's
-    scores, in one pass: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded heads,
-    0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
+def _select_kernel(t_ref, lse_ref, s_ref, idx_ref, *val_ref, cmp_block, cmp_stride, sel_block,
+                   n_cmp, n_blocks, n_init, n_local, n_sel, score_offset, block_sel,
+                   steps_per_chunk):
+    """Grid (batch row, KV head, chunk). The decode selection of one query from the compressed
+    kernel's scores, in one pass: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
+    heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
     score_offset + i, MASK where not admissible); idx_ref [1, n_sel_pad].
+
+    Chunk c takes the steps `[c*steps_per_chunk, (c+1)*steps_per_chunk)`. With one chunk,
+    idx_ref gets the ascending block_idx (-1 padded). With several (`val_ref` given, [1,
+    n_sel_pad]), each writes its own best n_sel blocks ascending and their values (+inf forced,
+    -inf for an empty slot), which `_merge_chunks` ranks again.
 
     A step takes `block_sel` selection blocks j. Selection block j weighs compressed slots
     `j*r + m` (r = l_sel / d, m from -(l/d - 1) to r - 1) by their overlap / d (the weights of
@@ -253,8 +263,15 @@ def _select_kernel(t_ref, lse_ref, s_ref, idx_ref, *, cmp_block, cmp_stride, sel
         value = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
         return insert_top(*top, value, j)
 
-    _, top_idx = lax.fori_loop(jnp.int32(0), live, step, empty_top(1, n_sel, idx_ref.shape[1]))
-    idx_ref[...] = ascending(top_idx, n_sel)
+    first = pl.program_id(2) * steps_per_chunk
+    top_val, top_idx = lax.fori_loop(first, jnp.minimum(first + steps_per_chunk, live), step,
+                                     empty_top(1, n_sel, idx_ref.shape[1]))
+    idx = ascending(top_idx, n_sel)
+    idx_ref[...] = idx
+    if val_ref:
+        # The value of each ascending pick: the top set's entry with that index.
+        same = (top_idx[:, :, None] == idx[:, None, :]) & (idx[:, None, :] >= 0)
+        val_ref[0][...] = jnp.max(jnp.where(same, top_val[:, :, None], -jnp.inf), axis=1)
 
 
 def combine_splits(o_part, lse_part):
@@ -541,21 +558,44 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     # are all MASK).
     lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
                         value=jnp.inf)
+    # A batch too small to fill the GPU splits the blocks into chunks, ranked again after.
+    chunks = max(1, min(n_steps, bs.select_programs // (B * G)))
+    steps_per_chunk = -(-n_steps // chunks)
+    chunks = -(-n_steps // steps_per_chunk)
     kernel = functools.partial(_select_kernel, cmp_block=cmp_block, cmp_stride=cmp_stride,
                                sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
                                n_init=n_init, n_local=n_local, n_sel=n_sel, score_offset=left,
-                               block_sel=block_sel)
-    idx = pallas_call(
+                               block_sel=block_sel, steps_per_chunk=steps_per_chunk)
+    out_spec = pl.BlockSpec((None, None, None, 1, n_sel_pad), lambda b, g, c: (b, g, c, 0, 0))
+    outs = pallas_call(
         kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
         interpret=interpret,
-        grid=(B, G),
-        in_specs=[pl.BlockSpec((1,), lambda b, g: (b,)),
-                  pl.BlockSpec((None, None, h_pad), lambda b, g: (b, g, 0)),
-                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g: (b, g, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, 1, n_sel_pad), lambda b, g: (b, g, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_sel_pad), jnp.int32),
+        grid=(B, G, chunks),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, c: (b,)),
+                  pl.BlockSpec((None, None, h_pad), lambda b, g, c: (b, g, 0)),
+                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g, c: (b, g, 0, 0))],
+        out_specs=[out_spec] * (1 if chunks == 1 else 2),
+        out_shape=[jax.ShapeDtypeStruct((B, G, chunks, 1, n_sel_pad), dtype)
+                   for dtype in ((jnp.int32,) if chunks == 1 else (jnp.int32, jnp.float32))],
     )(t, lse_rows, s)
-    return o, (lse_log2 * LN_2).reshape(B, H), idx[:, :, 0, :n_sel]
+    if chunks == 1:
+        idx = outs[0][:, :, 0, 0, :n_sel]
+    else:
+        idx = _merge_chunks(outs[0][:, :, :, 0], outs[1][:, :, :, 0], n_sel,
+                            interpret=interpret)
+    return o, (lse_log2 * LN_2).reshape(B, H), idx
+
+
+def _merge_chunks(idx, val, n_sel: int, *, interpret: bool):
+    """idx int32, val float32 `[B, G, chunks, n_sel_pad]` (each chunk's picks, ascending, -1 /
+    -inf padded) -> block_idx `[B, G, n_sel]`: the best n_sel of all chunks on the top-n kernel.
+    The candidates are in block order (chunks in order, each ascending), so the top-n's rule
+    among equal values, the lower position, is the lower block index."""
+    B, G = idx.shape[:2]
+    cand_idx, cand_val = idx.reshape(B, G, -1), val.reshape(B, G, -1)
+    pick = top_n(cand_val, n_sel, interpret=interpret)
+    block = jnp.take_along_axis(cand_idx, jnp.maximum(pick, 0), axis=-1)
+    return jnp.where(pick >= 0, block, -1)
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
