@@ -161,9 +161,6 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
     return (y, cache, aux) if return_aux else (y, cache)
 
 
-_put = put_rows
-
-
 def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
     """ring `[B, R, G, d]` (token s in slot s % R) -> `[B, R, G, d]`, tokens `first[b] ..
     first[b] + R - 1` in token order."""
@@ -258,8 +255,8 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
                              proj["v_win"].astype(cache.v_win.dtype)], 1),
             (start - ring)[:, None] + jnp.arange(ring + T, dtype=jnp.int32))  # [B, ring + T]
         cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
-    cache = cache._replace(k_cmp=_put(cache.k_cmp, k_blocks, cmp_index),
-                           v_cmp=_put(cache.v_cmp, v_blocks, cmp_index))
+    cache = cache._replace(k_cmp=put_rows(cache.k_cmp, k_blocks, cmp_index),
+                           v_cmp=put_rows(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
         o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
                                                  run_options, window=window)
@@ -394,8 +391,8 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
                             params["cmp_k"] if mlp else None, cfg, backend, options)
         v_block = _compress(_ordered_ring(cache.v_raw, t - l + 1),
                             params["cmp_v"] if mlp else None, cfg, backend, options)
-        return cache._replace(k_cmp=_put(cache.k_cmp, k_block[:, None], slot),
-                              v_cmp=_put(cache.v_cmp, v_block[:, None], slot))
+        return cache._replace(k_cmp=put_rows(cache.k_cmp, k_block[:, None], slot),
+                              v_cmp=put_rows(cache.v_cmp, v_block[:, None], slot))
 
     return lax.cond(jnp.any(emit), write, lambda cache: cache, cache)
 
