@@ -155,15 +155,18 @@ def parse_decode_blocks(text: str):
 
     from pallas_kernels import DecodeBlockSizes
 
-    fields = {f.name for f in dataclasses.fields(DecodeBlockSizes)}
+    types = {f.name: f.type for f in dataclasses.fields(DecodeBlockSizes)}
     values = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"--decode_blocks ({text!r}): {item!r} is not field=int with a field "
-                             f"of {sorted(fields)}")
-        values[name] = int(value)
+        name, value = name.strip(), value.strip().lower()
+        if types.get(name) in (bool, "bool") and value in ("true", "false"):
+            values[name] = value == "true"
+        elif name in types and value.lstrip("-").isdigit():
+            values[name] = int(value)
+        else:
+            raise ValueError(f"--decode_blocks ({text!r}): {item!r} is not field=int (or "
+                             f"field=true|false) with a field of {sorted(types)}")
     try:
         return DecodeBlockSizes(**values)
     except ValueError as err:
@@ -184,7 +187,7 @@ def build_parser():
     p.add_argument("--fa3_num_splits", type=int, default=4,
                    help="FA-3 num_splits (>= 1; bench_decode reports the best of 1, 4, 16)")
     p.add_argument("--decode_blocks", default="",
-                   help="Pallas decode tiles, e.g. 'block_cmp=128,num_stages=3' "
+                   help="Pallas decode tiles, e.g. 'block_cmp=128,num_stages=3,append_kernel=false' "
                         "(pallas_kernels.DecodeBlockSizes fields; empty: the defaults)")
     p.add_argument("--hlo_dir", default="",
                    help="write each row's optimized HLO (the compiled loop) here")

@@ -130,6 +130,8 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions,
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
     options = options or DEFAULT_OPTIONS
+    if options.decode_blocks is not None and not options.decode_blocks.append_kernel:
+        raise NotImplementedError("decode_blocks.append_kernel is off")
     return kernels.append_rows(buffers, tuple(t[:, 0] for t in tokens),
                                tuple(i[:, 0] for i in index),
                                interpret=options.resolve_interpret())

@@ -70,7 +70,8 @@ class DecodeBlockSizes:
     block_sel, num_warps_select, select_programs: the selection kernel of
     `decode_compressed_select` (selection blocks scored per step, a power of two; a batch with
     fewer than `select_programs` (batch row, KV head) pairs splits its blocks into chunks, each
-    with its own top-n, merged after on the top-n kernel). Not yet measured on a GPU.
+    with its own top-n, merged after on the top-n kernel). append_kernel: a step's six cache
+    appends in one kernel (`append_rows`; False: XLA's scatters). Not yet measured on a GPU.
     """
 
     block_cmp: int = 64
@@ -82,6 +83,7 @@ class DecodeBlockSizes:
     block_sel: int = 64
     num_warps_select: int = 4
     select_programs: int = 128
+    append_kernel: bool = True
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of

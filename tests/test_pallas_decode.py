@@ -327,6 +327,24 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(select_programs
     np.testing.assert_array_equal(np.asarray(idx), want)
 
 
+def test_decode_step_with_the_append_kernel_off_is_the_same_step():
+    """`DecodeBlockSizes(append_kernel=False)` sends the appends to XLA's scatters: the same
+    outputs and the same cache as the kernel's (interpret mode)."""
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 12, jnp.float32, seed=21)
+    _, cache = nsa_jax.prefill(params, x[:, :11], cfg, nsa_jax.init_cache(cfg, 2, 16))
+    outs = []
+    for on in (True, False):
+        options = {"pallas": PallasOptions(interpret=True,
+                                           decode_blocks=D.DecodeBlockSizes(append_kernel=on))}
+        outs.append(nsa_jax.decode_step(params, x[:, 11:12], cfg, cache, backend="pallas",
+                                        options=options))
+    (y_on, cache_on, _), (y_off, cache_off, _) = outs
+    np.testing.assert_array_equal(np.asarray(y_on), np.asarray(y_off))
+    for a, b in zip(cache_on, cache_off):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_top_n_rejects_bad_arguments():
     import pallas_kernels
 
