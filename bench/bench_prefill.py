@@ -162,6 +162,15 @@ def nsa_jax_core(cfg, backend: str, options=None):
     return core, label
 
 
+def branch_kv(normal, B: int, S: int, G: int, dk: int, dv: int, shared: bool) -> tuple:
+    """(k_cmp, v_cmp, k_sel, v_sel, k_win, v_win) drawn with `normal(shape)` (either framework):
+    one k / v pair for every branch when `shared`, else a pair per branch."""
+    if shared:
+        k, v = normal((B, S, G, dk)), normal((B, S, G, dv))
+        return (k, v) * 3
+    return tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
+
+
 def nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
     """seed -> ((q, k/v per branch, gate logits, compression params), cotangent) of the core."""
     import jax
@@ -177,11 +186,7 @@ def nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
             return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
         q = normal((B, S, H, dk))
-        if shared_kv:
-            k, v = normal((B, S, G, dk)), normal((B, S, G, dv))
-            kv = (k, v, k, v, k, v)
-        else:
-            kv = tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
+        kv = branch_kv(normal, B, S, G, dk, dv, shared_kv)
         gate_logits = normal((B, S, H, 3))
         cmp_params = {}
         if cfg.compress == "mlp":
@@ -447,11 +452,7 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         gen = torch.Generator(device=device).manual_seed(seed)
         normal = lambda shape, scale=1.0: _torch_normal(torch, shape, dtype, device, gen, scale)  # noqa: E731
         q = normal((B, S, H, dk))
-        if fla_like:
-            k, v = normal((B, S, G, dk)), normal((B, S, G, dv))
-            kv = (k, v, k, v, k, v)
-        else:
-            kv = tuple(normal((B, S, G, dim)) for _ in range(3) for dim in (dk, dv))
+        kv = branch_kv(normal, B, S, G, dk, dv, fla_like)
         cmp_tensors = []
         if mlp:
             for dim in (dk, dv):

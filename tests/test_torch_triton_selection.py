@@ -103,24 +103,27 @@ CASES = [  # (B, T, H, G, d_k, d_v, block_size, n_sel)
 ]
 
 
+def assert_float32_close(out, grads, ref, ref_grads):
+    """o within TOL_F32 of the float64 reference and dq, dk, dv within TOL_F32_GRAD."""
+    assert rel_err(out, ref) < TOL_F32
+    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
+        assert rel_err(grad, ref_grad) < TOL_F32_GRAD, name
+
+
 @pytest.mark.parametrize("B, T, H, G, d_k, d_v, block_size, n_sel", CASES)
 def test_float32_forward_and_backward(B, T, H, G, d_k, d_v, block_size, n_sel):
     q, k, v = make_inputs(B, T, H, G, d_k, d_v, seed=T)
     idx = random_block_idx(B, T, G, n_sel, block_size, seed=T)
     (out, grads), (ref, ref_grads) = run_both(q, k, v, idx, block_size, torch.float32)
     assert out.dtype == torch.float32 and out.shape == (B, T, H, d_v)
-    assert rel_err(out, ref) < TOL_F32
-    for name, grad, ref_grad in zip("qkv", grads, ref_grads):
-        assert rel_err(grad, ref_grad) < TOL_F32_GRAD, name
+    assert_float32_close(out, grads, ref, ref_grads)
 
 
 def test_many_heads_per_group_and_custom_scale():
     q, k, v = make_inputs(1, 6, 32, 1, 8, 8, seed=2)
     idx = random_block_idx(1, 6, 1, 2, 2, seed=2)
     (out, grads), (ref, ref_grads) = run_both(q, k, v, idx, 2, torch.float32, scale=0.3)
-    assert rel_err(out, ref) < TOL_F32
-    for grad, ref_grad in zip(grads, ref_grads):
-        assert rel_err(grad, ref_grad) < TOL_F32_GRAD
+    assert_float32_close(out, grads, ref, ref_grads)
 
 
 def test_block_larger_than_one_key_tile():
@@ -129,9 +132,7 @@ def test_block_larger_than_one_key_tile():
     idx = random_block_idx(1, 68, 1, 2, 66, seed=4)
     assert ts.SelectionBlockSizes.for_dims(66, 8, 8).block_n < 66
     (out, grads), (ref, ref_grads) = run_both(q, k, v, idx, 66, torch.float32)
-    assert rel_err(out, ref) < TOL_F32
-    for grad, ref_grad in zip(grads, ref_grads):
-        assert rel_err(grad, ref_grad) < TOL_F32_GRAD
+    assert_float32_close(out, grads, ref, ref_grads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -215,9 +216,7 @@ def test_packed_sequences_match_separate_calls():
     (out, grads), (ref, ref_grads) = run_both(
         q, k, v, idx, 3, torch.float32, cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
         ref_fn=packed_reference)
-    assert rel_err(out, ref) < TOL_F32
-    for grad, ref_grad in zip(grads, ref_grads):
-        assert rel_err(grad, ref_grad) < TOL_F32_GRAD
+    assert_float32_close(out, grads, ref, ref_grads)
 
 
 def test_backward_is_deterministic():
