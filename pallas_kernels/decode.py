@@ -41,7 +41,8 @@ from jax.experimental.pallas import triton as pltriton
 from nsa_common import cmp_admissible, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
-                                    online_softmax_init, pad_axis, pallas_call)
+                                    online_softmax_init, online_softmax_step, pad_axis,
+                                    pallas_call)
 from pallas_kernels._topn import ascending, empty_top, insert_top
 from pallas_kernels.select_blocks import top_n
 
@@ -107,17 +108,6 @@ def _score_tile(s_ref, start, size: int):
     return s_ref.at[pl.ds(jnp.int32(0), s_ref.shape[0]), pl.ds(start, size)]
 
 
-def _online_step(carry, s, v):
-    """One online-softmax update with scores `s [rows, n]` (log2 domain, MASK where masked)."""
-    acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    correction = jnp.exp2(m - m_new)
-    p = jnp.where(s > 0.5 * MASK, jnp.exp2(s - m_new[:, None]), 0.0)
-    l = l * correction + jnp.sum(p, axis=1)
-    acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
-    return acc, m_new, l
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels (grid: batch row, KV head)
 
@@ -154,7 +144,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
         pltriton.store(_score_tile(s_ref, start + score_offset, block), s, mask=new)
-        return _online_step(carry, s, v)
+        return online_softmax_step(carry, s, v)
 
     carry = lax.fori_loop(first_tile, live_end, visit, online_softmax_init(*o_ref.shape))
 
@@ -197,7 +187,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         v = vs_ref[pl.ds(start, tile), :]
         keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
         s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
-        return _online_step(carry, s, v)
+        return online_softmax_step(carry, s, v)
 
     first_block = split * blocks_per_split
     carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
@@ -213,7 +203,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
         s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
-        return _online_step(carry, s, v)
+        return online_softmax_step(carry, s, v)
 
     first_tile = split * ring_tiles_per_split
     end_tile = jnp.minimum(first_tile + ring_tiles_per_split, -(-ring_pad // block_win))
