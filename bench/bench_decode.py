@@ -16,8 +16,8 @@ Per point (B, S):
                    These are `nsa_jax.decode.decode_step_branches`, the library's own hook.
   nsa_jax / base   the step with no attention at all (projections, appends, gates, output), so
                    `attn_ms = ms - base_ms` isolates each branch's attention.
-  full_<impl>      a full-attention layer step at the same B and S: one q/k/v projection GEMM, in-place
-                   cache append, single-query attention over the S + 1 cached tokens, output
+  full_<impl>      a full-attention layer step at the same B and S: one q/k/v projection GEMM,
+                   in-place cache append, single-query attention over the S + 1 cached tokens, output
                    projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
                    and d_k == d_v), cudnn (jax.nn.dot_product_attention with
                    key_value_seq_lengths), xla (the same, XLA).
@@ -69,8 +69,7 @@ from bench.summarize_decode_csv import summarize  # noqa: E402
 
 COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv", "l", "d",
            "l_sel", "n_sel", "w", "dtype", "force", "timing", "status", "ms", "ms_min", "ms_max",
-           "attn_ms",
-           "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
+           "attn_ms", "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
            "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
            "device"]
 BRANCHES = ("cmp", "sel", "win")
@@ -196,8 +195,6 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
     small B this measures the host's dispatch of the step (its ~30 arguments), not the device.
     """
     import jax
-    import jax.numpy as jnp
-    from jax import lax
 
     first = {}
     if args.timing == "dispatch":
@@ -260,8 +257,6 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         import nsa_jax
     except ImportError as exc:
         raise Skip(f"nsa_jax not importable ({exc})") from None
-    import jax
-
     cfg = args.cfg
     params, xs, fresh_cache = nsa_setup(args, B, S)
 

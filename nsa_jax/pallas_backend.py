@@ -115,11 +115,11 @@ def decode_compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, s
 def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: int,
                          options: Optional[PallasOptions] = None):
     """The overlap sums in XLA (`band_scores`), the ranking on the top-n kernel of the prefill
-    selection (`pallas_kernels.select_blocks.top_n`: n_sel argmax rounds per row)."""
+    selection (`pallas_kernels.top_n`: n_sel argmax rounds per row)."""
     options = options or DEFAULT_OPTIONS
     value = rank_scores(band_scores(p_group, cfg, n_sel_blocks), positions[..., None], cfg)
     return kernels.top_n(value, cfg.n_sel, block_sizes=options.select_blocks,
-                 interpret=options.resolve_interpret())
+                         interpret=options.resolve_interpret())
 
 
 def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions,

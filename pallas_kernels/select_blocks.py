@@ -398,13 +398,11 @@ def top_n(score, n_sel: int, *, block_sizes: Optional[BlockSizes] = None,
     block_sizes = block_sizes or BlockSizes()
     if not isinstance(n_sel, int) or n_sel < 1:
         raise ValueError(f"n_sel ({n_sel!r}) must be an int >= 1")
-    score = score.astype(jnp.float32)
-    n = score.shape[-1]
-    if n < n_sel:
-        score = pad_axis(score, score.ndim - 1, n_sel, value=-jnp.inf)
+    n = max(score.shape[-1], n_sel)
+    n = n if implementation == "xla" else next_pow2(n)   # the kernel's rows: a power of two
+    score = pad_axis(score.astype(jnp.float32), score.ndim - 1, n, value=-jnp.inf)
     if implementation == "xla":
         return _top_n_xla(score, n_sel)
-    score = pad_axis(score, score.ndim - 1, next_pow2(score.shape[-1]), value=-jnp.inf)
     return _top_n_pallas(score, n_sel, block_sizes, interpret)
 
 

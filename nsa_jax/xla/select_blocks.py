@@ -14,6 +14,14 @@ from nsa_jax.xla.compressed_attention import cmp_block_metadata, cmp_probabiliti
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 
 
+def _block_roles(S: int, q_pos: jax.Array, cfg: NSAConfig):
+    """(j `[S]`, last `[..., 1]`, eligible, forced) of S selection blocks for queries at q_pos:
+    eligible `j <= t // l_sel`; forced `j < n_init` or among the `n_local` most recent."""
+    j = jnp.arange(S, dtype=jnp.int32)
+    last = (q_pos // cfg.sel_block)[..., None]
+    return j, last, j <= last, (j < cfg.n_init) | (j > last - cfg.n_local)
+
+
 def top_blocks(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig) -> jax.Array:
     """scores: `[..., S]` group scores of selection blocks; q_pos: `[...]` local query positions.
     Returns block_idx int32 `[..., n_sel]`: the `n_sel` best eligible blocks, ascending, -1 padded.
@@ -25,10 +33,7 @@ def top_blocks(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig) -> jax.Array
     sort 17 us; the Pallas decode path ranks with `pallas_kernels.top_n`.)
     """
     S = scores.shape[-1]
-    j = jnp.arange(S, dtype=jnp.int32)
-    last = (q_pos // cfg.sel_block)[..., None]
-    eligible = j <= last
-    forced = (j < cfg.n_init) | (j > last - cfg.n_local)
+    j, last, eligible, forced = _block_roles(S, q_pos, cfg)
     key = jnp.where(forced, -jnp.inf, -scores)
     key = jnp.where(key == 0, 0.0, key)  # -0.0 and +0.0 must tie (the sort is a total order)
     key = jnp.where(eligible, key, jnp.inf)
@@ -46,11 +51,9 @@ def rank_scores(scores: jax.Array, q_pos: jax.Array, cfg: NSAConfig) -> jax.Arra
     """`top_blocks`' eligibility and forcing as values where higher is better, for a top-n that
     takes the best `n_sel` (lower index first on ties) and never picks `-inf`: forced blocks
     `+inf`, ineligible blocks (and NaN scores) `-inf`, the others their score."""
-    j = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-    last = (q_pos // cfg.sel_block)[..., None]
-    forced = (j < cfg.n_init) | (j > last - cfg.n_local)
+    _, _, eligible, forced = _block_roles(scores.shape[-1], q_pos, cfg)
     value = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
-    return jnp.where(j <= last, jnp.where(forced, jnp.inf, value), -jnp.inf)
+    return jnp.where(eligible, jnp.where(forced, jnp.inf, value), -jnp.inf)
 
 
 def sel_scores(p_cmp: jax.Array, overlap: jax.Array) -> jax.Array:
