@@ -545,7 +545,7 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
                                       cmp_stride=cmp_stride, scale=scale, bs=bs,
                                       interpret=interpret, score_offset=left,
                                       min_cols=left + n_steps * block_sel * r)
-    h, h_pad, n_sel_pad = H // G, s.shape[2], next_pow2(n_sel)
+    h_pad, n_sel_pad = s.shape[2], next_pow2(n_sel)
     # Padded heads get lse +inf (2^(s - inf) = 0); a query that saw no key gets 0 (its scores
     # are all MASK).
     lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
@@ -693,7 +693,8 @@ def decode_compressed_select_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cm
                                        sel_block: int, n_sel: int, n_init: int, n_local: int,
                                        n_blocks: int, scale: float):
     """`decode_compressed_select` in plain JAX: the probabilities of `decode_compressed_reference`
-    times the dense overlap matrix, forced and eligible blocks, then a sort by (-score, index)."""
+    times the dense overlap matrix, forced and eligible blocks, then `lax.top_k` (the lower index
+    first on ties) and a sort (`top_n(implementation="xla")`)."""
     o, lse, p_group = decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                                   cmp_stride=cmp_stride, scale=scale)
     weights = jnp.asarray(overlap_weights(SimpleNamespace(
@@ -703,15 +704,8 @@ def decode_compressed_select_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cm
     j = jnp.arange(n_blocks, dtype=jnp.int32)
     last = (jnp.broadcast_to(jnp.asarray(t, jnp.int32), (q.shape[0],)) // sel_block)[:, None, None]
     forced = (j < n_init) | (j > last - n_local)
-    key = jnp.where(j <= last, jnp.where(forced, -jnp.inf, -score), jnp.inf)
-    key = jnp.where(key == 0, 0.0, key)
-    _, ranked = lax.sort((key, jnp.broadcast_to(j, key.shape)), dimension=-1, num_keys=2)
-    top = ranked[..., :n_sel]
-    top = jnp.sort(jnp.where(top <= last, top, n_blocks), axis=-1)
-    top = jnp.where(top == n_blocks, -1, top)
-    if n_blocks < n_sel:
-        top = jnp.pad(top, [(0, 0), (0, 0), (0, n_sel - n_blocks)], constant_values=-1)
-    return o, lse, top.astype(jnp.int32)
+    value = jnp.where(j <= last, jnp.where(forced, jnp.inf, score), -jnp.inf)
+    return o, lse, top_n(value, n_sel, implementation="xla")
 
 
 def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t, *,
