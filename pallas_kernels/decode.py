@@ -43,8 +43,7 @@ from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, ch
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
                                     pallas_call)
-from pallas_kernels._topn import ascending, empty_top, insert_top
-from pallas_kernels.select_blocks import top_n
+from pallas_kernels.select_blocks import BlockSizes, top_n
 
 __all__ = [
     "DecodeBlockSizes",
@@ -68,11 +67,12 @@ class DecodeBlockSizes:
     blocks and the window tiles), until the grid holds `target_programs` programs; a combine
     step merges their partial softmaxes. A small batch then still fills the GPU (one program
     per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
-    block_sel, num_warps_select, select_programs: the selection kernel of
-    `decode_compressed_select` (selection blocks scored per step, a power of two; a batch with
-    fewer than `select_programs` (batch row, KV head) pairs splits its blocks into chunks, each
-    with its own top-n, merged after on the top-n kernel). append_kernel: a step's six cache
-    appends in one kernel (`append_rows`; False: XLA's scatters). Not yet measured on a GPU.
+    block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
+    blocks scored per program, a power of two). topn_elements, num_warps_topn: the top-n kernel
+    that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
+    program, so `topn_elements // n_blocks` rows a program, and its warps).
+    append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
+    scatters).
     """
 
     block_cmp: int = 64
@@ -83,7 +83,8 @@ class DecodeBlockSizes:
     max_splits: int = 64
     block_sel: int = 64
     num_warps_select: int = 4
-    select_programs: int = 128
+    topn_elements: int = 4096
+    num_warps_topn: int = 4
     append_kernel: bool = True
 
     def splits(self, rows: int, units: int) -> int:
@@ -93,6 +94,9 @@ class DecodeBlockSizes:
 
     def __post_init__(self):
         check_tile_sizes(self)
+        if self.topn_elements != next_pow2(self.topn_elements):
+            raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
+                             f"of 2")
 
 
 def _tile(first, size: int, length: int):
@@ -212,58 +216,40 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
 
 
-def _select_kernel(t_ref, lse_ref, s_ref, idx_ref, *val_ref, cmp_block, cmp_stride, sel_block,
-                   n_cmp, n_blocks, n_init, n_local, n_sel, score_offset, block_sel,
-                   steps_per_chunk):
-    """Grid (batch row, KV head, chunk). The decode selection of one query from the compressed
-    kernel's scores, in one pass: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
+def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, cmp_block, cmp_stride, sel_block,
+                   n_cmp, n_blocks, n_init, n_local, score_offset, block_sel):
+    """Grid (batch row, KV head, step). The decode selection scores of one query from the
+    compressed kernel's scores: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
     heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
-    score_offset + i, MASK where not admissible); idx_ref [1, n_sel_pad].
+    score_offset + i, MASK where not admissible); value_ref [1, block_sel]: the scores of
+    selection blocks `[k*block_sel, (k+1)*block_sel)` for step k, ranked after by `top_n`.
 
-    Chunk c takes the steps `[c*steps_per_chunk, (c+1)*steps_per_chunk)`. With one chunk,
-    idx_ref gets the ascending block_idx (-1 padded). With several (`val_ref` given, [1,
-    n_sel_pad]), each writes its own best n_sel blocks ascending and their values (+inf forced,
-    -inf for an empty slot), which `_merge_chunks` ranks again.
-
-    A step takes `block_sel` selection blocks j. Selection block j weighs compressed slots
-    `j*r + m` (r = l_sel / d, m from -(l/d - 1) to r - 1) by their overlap / d (the weights of
-    `nsa_common.overlap_weights`): one strided load of the scores per m, `2^(s - lse)` summed
-    over the heads, weighted, added. Forced blocks get +inf, blocks after t's -inf, and the step
-    is folded into a running top-n in registers (`_topn.insert_top`)."""
+    Selection block j weighs compressed slots `j*r + m` (r = l_sel / d, m from -(l/d - 1) to
+    r - 1) by their overlap / d (the weights of `nsa_common.overlap_weights`): one strided load
+    of the scores per m, `2^(s - lse)` summed over the heads, weighted, added. Forced blocks get
+    +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with one query per
+    program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the top-n kernel
+    ranks all rows at once."""
     t = t_ref[0]
     lse = lse_ref[...]
     r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
     last = lax.div(t, jnp.int32(sel_block))
-    live = jnp.minimum(lax.div(last + block_sel, jnp.int32(block_sel)),
-                       jnp.int32(-(-n_blocks // block_sel)))
-
-    def step(k, top):
-        j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
-        score = jnp.zeros((1, block_sel), jnp.float32)
-        for m in range(-left, r):
-            weight = (min(m * cmp_stride + cmp_block, sel_block) - max(m * cmp_stride, 0)) / cmp_stride
-            if weight <= 0:
-                continue
-            start = k * (block_sel * r) + (score_offset + m)
-            s = s_ref[:, pl.ds(start, block_sel, stride=r)]
-            slot = j * r + m
-            ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
-            p = jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0)
-            score = score + weight * jnp.sum(p, axis=0, keepdims=True)
-        forced = (j < n_init) | (j > last - n_local)
-        value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
-        value = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
-        return insert_top(*top, value, j)
-
-    first = pl.program_id(2) * steps_per_chunk
-    top_val, top_idx = lax.fori_loop(first, jnp.minimum(first + steps_per_chunk, live), step,
-                                     empty_top(1, n_sel, idx_ref.shape[1]))
-    idx = ascending(top_idx, n_sel)
-    idx_ref[...] = idx
-    if val_ref:
-        # The value of each ascending pick: the top set's entry with that index.
-        same = (top_idx[:, :, None] == idx[:, None, :]) & (idx[:, None, :] >= 0)
-        val_ref[0][...] = jnp.max(jnp.where(same, top_val[:, :, None], -jnp.inf), axis=1)
+    k = pl.program_id(2)
+    j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
+    score = jnp.zeros((1, block_sel), jnp.float32)
+    for m in range(-left, r):
+        weight = (min(m * cmp_stride + cmp_block, sel_block) - max(m * cmp_stride, 0)) / cmp_stride
+        if weight <= 0:
+            continue
+        start = k * (block_sel * r) + (score_offset + m)
+        s = s_ref[:, pl.ds(start, block_sel, stride=r)]
+        slot = j * r + m
+        ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
+        p = jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0)
+        score = score + weight * jnp.sum(p, axis=0, keepdims=True)
+    forced = (j < n_init) | (j > last - n_local)
+    value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
+    value_ref[...] = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
 
 
 def combine_splits(o_part, lse_part):
@@ -514,10 +500,11 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
                              block_sizes: Optional[DecodeBlockSizes] = None,
                              interpret: bool = False, implementation: str = "triton"):
     """`decode_compressed` and the block selection of its query in two kernels, with no
-    `[B, G, C]` probabilities in between: the compressed kernel writes its log2 scores, and a
-    selection kernel per (batch row, KV head) turns them into the selection blocks' scores
-    (probabilities summed over the group's heads, weighted by the blocks' overlap), forces the
-    `n_init` first and `n_local` last blocks and keeps a running top `n_sel`.
+    `[B, G, C]` probabilities in between: the compressed kernel writes its log2 scores, a
+    selection kernel over (batch row, KV head, blocks) turns them into the selection blocks'
+    scores (probabilities summed over the group's heads, weighted by the blocks' overlap) and
+    forces the `n_init` first and `n_local` last blocks, and the top-n kernel (`top_n`) keeps the
+    best `n_sel`.
 
     Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, block_idx [B, G, n_sel] int32)`:
     the `n_sel` best of the `n_blocks` selection blocks visible to t (`j <= t // sel_block`),
@@ -545,49 +532,29 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
                                       cmp_stride=cmp_stride, scale=scale, bs=bs,
                                       interpret=interpret, score_offset=left,
                                       min_cols=left + n_steps * block_sel * r)
-    h_pad, n_sel_pad = s.shape[2], next_pow2(n_sel)
+    h_pad = s.shape[2]
     # Padded heads get lse +inf (2^(s - inf) = 0); a query that saw no key gets 0 (its scores
     # are all MASK).
     lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
                         value=jnp.inf)
-    # A batch too small to fill the GPU splits the blocks into chunks, ranked again after.
-    chunks = max(1, min(n_steps, bs.select_programs // (B * G)))
-    steps_per_chunk = -(-n_steps // chunks)
-    chunks = -(-n_steps // steps_per_chunk)
     kernel = functools.partial(_select_kernel, cmp_block=cmp_block, cmp_stride=cmp_stride,
                                sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
-                               n_init=n_init, n_local=n_local, n_sel=n_sel, score_offset=left,
-                               block_sel=block_sel, steps_per_chunk=steps_per_chunk)
-    out_spec = pl.BlockSpec((None, None, None, 1, n_sel_pad), lambda b, g, c: (b, g, c, 0, 0))
-    outs = pallas_call(
+                               n_init=n_init, n_local=n_local, score_offset=left,
+                               block_sel=block_sel)
+    value = pallas_call(
         kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
         interpret=interpret,
-        grid=(B, G, chunks),
-        in_specs=[pl.BlockSpec((1,), lambda b, g, c: (b,)),
-                  pl.BlockSpec((None, None, h_pad), lambda b, g, c: (b, g, 0)),
-                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g, c: (b, g, 0, 0))],
-        out_specs=[out_spec] * (1 if chunks == 1 else 2),
-        out_shape=[jax.ShapeDtypeStruct((B, G, chunks, 1, n_sel_pad), dtype)
-                   for dtype in ((jnp.int32,) if chunks == 1 else (jnp.int32, jnp.float32))],
+        grid=(B, G, n_steps),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, k: (b,)),
+                  pl.BlockSpec((None, None, h_pad), lambda b, g, k: (b, g, 0)),
+                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g, k: (b, g, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, 1, block_sel), lambda b, g, k: (b, g, 0, k)),
+        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_steps * block_sel), jnp.float32),
     )(t, lse_rows, s)
-    if chunks == 1:
-        idx = outs[0][:, :, 0, 0, :n_sel]
-    else:
-        idx = _merge_chunks(outs[0][:, :, :, 0], outs[1][:, :, :, 0], n_sel,
-                            interpret=interpret)
+    # Columns past n_blocks hold -inf, so the top-n never picks them.
+    ranking = BlockSizes(topn_elements=bs.topn_elements, num_warps_topn=bs.num_warps_topn)
+    idx = top_n(value[:, :, 0], n_sel, block_sizes=ranking, interpret=interpret)
     return o, (lse_log2 * LN_2).reshape(B, H), idx
-
-
-def _merge_chunks(idx, val, n_sel: int, *, interpret: bool):
-    """idx int32, val float32 `[B, G, chunks, n_sel_pad]` (each chunk's picks, ascending, -1 /
-    -inf padded) -> block_idx `[B, G, n_sel]`: the best n_sel of all chunks on the top-n kernel.
-    The candidates are in block order (chunks in order, each ascending), so the top-n's rule
-    among equal values, the lower position, is the lower block index."""
-    B, G = idx.shape[:2]
-    cand_idx, cand_val = idx.reshape(B, G, -1), val.reshape(B, G, -1)
-    pick = top_n(cand_val, n_sel, interpret=interpret)
-    block = jnp.take_along_axis(cand_idx, jnp.maximum(pick, 0), axis=-1)
-    return jnp.where(pick >= 0, block, -1)
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,

@@ -224,15 +224,15 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     (16, 16, 16, 3, 9, 9),      # l = d = l_sel: the overlap matrix is the identity
     (12, 4, 24, 5, 7, 37),      # r = 6 (not a power of two), two slots before each block
     (8, 4, 16, 8, 5, 20),       # fewer blocks than n_sel
-    (8, 4, 16, 4, 100, 400),    # 7 steps of 16 blocks: chunks, merged on the top-n kernel
+    (8, 4, 16, 4, 100, 400),    # 7 programs of 16 blocks per row
 ])
-@pytest.mark.parametrize("select_programs", [1, 128])
+@pytest.mark.parametrize("block_sel", [16, 64])
 def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n_blocks, C,
-                                                           select_programs):
+                                                           block_sel):
     """The fused selection (interpret mode) picks the blocks of the unfused path
     (`decode_compressed`'s probabilities, `band_scores`, `top_blocks`) and of its plain-JAX
     reference, with the same o and lse, rows at different positions (one before any block);
-    in one chunk per row (select_programs 1) and split into chunks (128)."""
+    selection programs of 16 and 64 blocks."""
     from nsa_jax.xla.select_blocks import top_blocks
 
     B, H, G = 4, 8, 2
@@ -240,7 +240,7 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     t = jnp.asarray([n_blocks * l_sel - 1, l_sel * 2 + 3, l - 2, (C - 1) * d + l - 1], jnp.int32)
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
-    tiles = D.DecodeBlockSizes(block_sel=16, select_programs=select_programs)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel)
     o, lse, idx = D.decode_compressed_select(x["q"], x["k_cmp"], x["v_cmp"], t, interpret=True,
                                              block_sizes=tiles, **kw)
     o_r, lse_r, idx_r = D.decode_compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
@@ -304,10 +304,11 @@ def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
                                    (jnp.zeros((1,), jnp.int32),), interpret=True)
 
 
-@pytest.mark.parametrize("select_programs", [1, 128])
-def test_decode_compressed_select_breaks_ties_to_the_lower_block(select_programs):
+@pytest.mark.parametrize("block_sel", [16, 64])
+def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel):
     """q = 0: every visible compressed block gets the same probability, so interior selection
-    blocks tie; the fused selection, chunked or not, picks the lowest ones, as `top_blocks`."""
+    blocks tie; the fused selection picks the lowest ones, as `top_blocks`, whatever the
+    blocks per program."""
     from nsa_jax.xla.select_blocks import top_blocks
 
     B, H, G, l, d, l_sel, n_sel, n_blocks, C = 2, 4, 2, 8, 4, 16, 5, 100, 400
@@ -316,7 +317,7 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(select_programs
     t = jnp.asarray([n_blocks * l_sel - 1, 40 * l_sel + 7], jnp.int32)
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
-    tiles = D.DecodeBlockSizes(block_sel=16, select_programs=select_programs)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel)
     _, _, idx = D.decode_compressed_select(q, x["k_cmp"], x["v_cmp"], t, interpret=True,
                                            block_sizes=tiles, **kw)
     _, _, p_group = D.decode_compressed(q, x["k_cmp"], x["v_cmp"], t, cmp_block=l, cmp_stride=d,
@@ -386,6 +387,8 @@ def test_decode_step_pallas_options_and_errors():
     assert bool(jnp.all(jnp.isfinite(y)))
     with pytest.raises(ValueError, match="block_cmp"):
         D.DecodeBlockSizes(block_cmp=48)
+    with pytest.raises(ValueError, match="topn_elements"):
+        D.DecodeBlockSizes(topn_elements=1000)
     q = jnp.zeros((1, 4, 16))
     with pytest.raises(ValueError, match="k_cmp"):
         D.decode_compressed(q, jnp.zeros((1, 5, 2, 8)), jnp.zeros((1, 5, 2, 8)), 3, cmp_block=2,
@@ -396,8 +399,8 @@ def test_decode_step_pallas_options_and_errors():
 
 
 def test_lowers_to_triton_on_any_host():
-    """The decode kernels (with their split combines, the fused selection and the appends) lower
-    through the Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a
+    """The decode kernels (with their split combines, the selection and its top-n, the appends)
+    lower through the Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a
     multiple of any tile; d_k 192 takes the padded path)."""
     import pallas_kernels
 
@@ -423,12 +426,7 @@ def test_lowers_to_triton_on_any_host():
                                               n_blocks=L // 64 + 1, scale=0.1)
         text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 3      # compressed, combine, selection
-        # A batch of one: the selection in chunks, merged on the top-n kernel.
-        one = [shape((1,) + a.shape[1:], a.dtype) for a in args[:3]]
-        text = jax.jit(fused).trace(*one, shape((1,), jnp.int32)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 4      # ... and the merge's top-n
+        assert text.count("xla.gpu.triton") == 4      # compressed, combine, selection, top-n
 
     def append(*buffers_and_tokens):
         buffers, tokens = buffers_and_tokens[:6], buffers_and_tokens[6:]
