@@ -70,7 +70,10 @@ class DecodeBlockSizes:
     block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
     blocks scored per program, a power of two). topn_elements, num_warps_topn: the top-n kernel
     that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
-    program, so `topn_elements // n_blocks` rows a program, and its warps).
+    program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
+    an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
+    32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
+    with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps).
     append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
     scatters).
     """
@@ -81,9 +84,9 @@ class DecodeBlockSizes:
     num_stages: int = 2
     target_programs: int = 264
     max_splits: int = 64
-    block_sel: int = 64
+    block_sel: int = 32
     num_warps_select: int = 4
-    topn_elements: int = 4096
+    topn_elements: int = 1024
     num_warps_topn: int = 4
     append_kernel: bool = True
 
