@@ -87,8 +87,15 @@ def _step_and_cache(args, what: str, B: int, S: int):
         import nsa_jax
 
         params, xs, fresh_cache = bench_decode.nsa_setup(args, B, S)
-        step = (functools.partial(nsa_jax.decode_step, backend=args.backend) if what == "nsa"
-                else bench_decode.branch_only_step("base", args.backend))
+        options = None
+        if args.decode_blocks:
+            from nsa_jax.pallas_backend import PallasOptions
+
+            options = {"pallas": PallasOptions(decode_blocks=args.decode_blocks)}
+        step = (functools.partial(nsa_jax.decode_step, backend=args.backend, options=options)
+                if what == "nsa" else
+                functools.partial(bench_decode.branch_only_step("base", args.backend),
+                                  options=options))
         return step, params, args.cfg, xs, fresh_cache()
     step, params, xs, make_cache = bench_decode.full_setup(args, what, B, S, args.fa3_num_splits)
     return step, params, None, xs, make_cache()
@@ -139,6 +146,33 @@ def profile_point(args, what: str, B: int, S: int) -> tuple[dict, list[dict]]:
     return record, kernels
 
 
+def parse_decode_blocks(text: str):
+    """'field=int,...' -> pallas_kernels.DecodeBlockSizes (None for ''); ValueError naming the
+    flag on a bad field or value."""
+    if not text.strip():
+        return None
+    import dataclasses
+
+    from pallas_kernels import DecodeBlockSizes
+
+    types = {f.name: f.type for f in dataclasses.fields(DecodeBlockSizes)}
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if types.get(name) in (bool, "bool") and value in ("true", "false"):
+            values[name] = value == "true"
+        elif name in types and value.lstrip("-").isdigit():
+            values[name] = int(value)
+        else:
+            raise ValueError(f"--decode_blocks ({text!r}): {item!r} is not field=int (or "
+                             f"field=true|false) with a field of {sorted(types)}")
+    try:
+        return DecodeBlockSizes(**values)
+    except ValueError as err:
+        raise ValueError(f"--decode_blocks ({text!r}): {err}") from None
+
+
 def build_parser():
     p = common.script_parser(__doc__)
     p.add_argument("--B", default="1,32", help="batch sizes, comma list")
@@ -152,6 +186,9 @@ def build_parser():
     p.add_argument("--loop_steps", type=int, default=32, help="steps per jitted call")
     p.add_argument("--fa3_num_splits", type=int, default=4,
                    help="FA-3 num_splits (>= 1; bench_decode reports the best of 1, 4, 16)")
+    p.add_argument("--decode_blocks", default="",
+                   help="Pallas decode tiles, e.g. 'block_cmp=128,num_stages=3,append_kernel=false' "
+                        "(pallas_kernels.DecodeBlockSizes fields; empty: the defaults)")
     p.add_argument("--hlo_dir", default="",
                    help="write each row's optimized HLO (the compiled loop) here")
     p.add_argument("--top", type=int, default=12, help="kernels listed per row")
@@ -175,6 +212,7 @@ def parse_args(argv=None):
         raise ValueError(f"--loop_steps ({args.loop_steps}) must be >= 1")
     if args.backend is None:
         args.backend = "pallas" if args.device == "gpu" else "xla"
+    args.decode_blocks = parse_decode_blocks(args.decode_blocks)
     if args.label is None:
         args.label = os.environ.get("XLA_FLAGS") or "default"
     # bench_decode's setup helpers read these.

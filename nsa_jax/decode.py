@@ -13,8 +13,9 @@ A sequence whose cache has no room left is never written past `max_len`: with co
 sets `cache.overflow[b]` (sticky), which the caller checks after the loop.
 
 Attention over the cache runs through the decode entries of `nsa_jax.dispatch`
-(`decode_compressed_attention`, `decode_select_blocks`, `decode_selected_window_attention`) on
-the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
+(`decode_compressed_select` for the compressed branch with the selection,
+`decode_compressed_attention` for the compressed branch alone, `decode_selected_window_attention`)
+on the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
 tried in order); block compression through its `compress_kv`.
 """
 from __future__ import annotations
@@ -33,9 +34,11 @@ import nsa_common
 from nsa_common import (NSAConfig, cmp_admissible, num_admissible_cmp_blocks, num_cmp_blocks,
                         num_sel_blocks)
 from nsa_jax import checks, dispatch
+from nsa_jax.core import mix_branches
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
-                           kv_names, project)
+                           kv_names, output, project)
 from nsa_jax.rope import apply_rope
+from nsa_jax.xla.decode import put_rows
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -158,16 +161,6 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
     return (y, cache, aux) if return_aux else (y, cache)
 
 
-def _rows(B: int) -> jax.Array:
-    return jnp.arange(B, dtype=jnp.int32)[:, None]
-
-
-def _put(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
-    """buf `[B, S, ...]` with `values [B, T, ...]` written at `index [B, T]`; indices `>= S`
-    (the tokens not to write) are dropped, so a donated buffer is updated in place."""
-    return buf.at[_rows(buf.shape[0]), index].set(values.astype(buf.dtype), mode="drop")
-
-
 def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
     """ring `[B, R, G, d]` (token s in slot s % R) -> `[B, R, G, d]`, tokens `first[b] ..
     first[b] + R - 1` in token order."""
@@ -176,9 +169,11 @@ def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
     return jnp.take_along_axis(ring, slot[:, :, None, None], axis=1)
 
 
-def _append_tokens(cache: DecodeCache, proj: dict, pos, new) -> DecodeCache:
+def _append_tokens(cache: DecodeCache, proj: dict, pos, new, cfg: NSAConfig, backend,
+                   options) -> DecodeCache:
     """Write the projected tokens `proj["k_*"] [B, T, G, d]` at positions `pos [B, T]`, of which
-    the first `new [B]` per row are real, into the token buffers and the two rings. Only the
+    the first `new [B]` per row are real, into the token buffers and the two rings, through the
+    dispatch's `decode_append` (Pallas: one kernel for the six appends of a step). Only the
     last `R` tokens of a row go to a ring of R slots, so no two writes share a slot."""
     B, T = pos.shape
     i = jnp.arange(T, dtype=jnp.int32)[None]
@@ -189,11 +184,12 @@ def _append_tokens(cache: DecodeCache, proj: dict, pos, new) -> DecodeCache:
 
     sel_index = jnp.where(real, pos, cache.max_len)
     win, raw = ring_index(cache.k_win.shape[1]), ring_index(cache.k_raw.shape[1])
-    return cache._replace(
-        k_sel=_put(cache.k_sel, proj["k_sel"], sel_index),
-        v_sel=_put(cache.v_sel, proj["v_sel"], sel_index),
-        k_win=_put(cache.k_win, proj["k_win"], win), v_win=_put(cache.v_win, proj["v_win"], win),
-        k_raw=_put(cache.k_raw, proj["k_cmp"], raw), v_raw=_put(cache.v_raw, proj["v_cmp"], raw))
+    names = ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw")
+    tokens = tuple(proj[n.replace("raw", "cmp")] for n in names)
+    index = (sel_index, sel_index, win, win, raw, raw)
+    buffers = dispatch.call("decode_append", backend, tuple(getattr(cache, n) for n in names),
+                            tokens, index, cfg, positions=pos, options=options)
+    return cache._replace(**dict(zip(names, buffers)))
 
 
 def _room(cache: DecodeCache, new) -> tuple[jax.Array, jax.Array]:
@@ -223,7 +219,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
         # Causal: the layer's outputs at a row's real tokens ignore the padding after them.
         y, aux, proj, parts = forward_unchecked(params, x, None, cfg=cfg, backend=backend,
                                                 options=options, internals=True)
-        cache = _append_tokens(cache, proj, pos, new)
+        cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
         n_blocks = parts["k_cmp"].shape[1]
         block = jnp.arange(n_blocks, dtype=jnp.int32)[None]
         cmp_index = jnp.where(cmp_admissible(block, end[:, None] - 1, l, d), block, n_slots)
@@ -258,9 +254,9 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
             jnp.concatenate([_ordered_ring(cache.v_win, start - ring),
                              proj["v_win"].astype(cache.v_win.dtype)], 1),
             (start - ring)[:, None] + jnp.arange(ring + T, dtype=jnp.int32))  # [B, ring + T]
-        cache = _append_tokens(cache, proj, pos, new)
-    cache = cache._replace(k_cmp=_put(cache.k_cmp, k_blocks, cmp_index),
-                           v_cmp=_put(cache.v_cmp, v_blocks, cmp_index))
+        cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
+    cache = cache._replace(k_cmp=put_rows(cache.k_cmp, k_blocks, cmp_index),
+                           v_cmp=put_rows(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
         o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
                                                  run_options, window=window)
@@ -333,14 +329,16 @@ STEP_WEIGHTS = "decode_w_qkv"
 
 
 def prepare_decode_params(params, cfg: NSAConfig) -> dict:
-    """`params` plus `params["decode_w_qkv"]`: wq and every wk / wv side by side
-    (`[d_model, H*d_k + n_kv*G*(d_k + d_v)]`), concatenated once, so that a decode step computes
-    all its projections in one GEMM instead of one small GEMM per weight. `decode_step` uses it
-    when present (prepare again after changing the weights); the layer ignores it."""
+    """`params` plus `params["decode_w_qkv"]`: wq, every wk / wv and the gate weight wg side by
+    side (`[d_model, H*d_k + n_kv*G*(d_k + d_v) + 3H]`), concatenated once, so that a decode step
+    computes all its projections and its gate logits in one GEMM instead of one small GEMM per
+    weight. `decode_step` uses it when present (prepare again after changing the weights); the
+    layer ignores it."""
     plain = {key: value for key, value in params.items() if key != STEP_WEIGHTS}
     check_params(plain, cfg)
     names = kv_names(cfg)
-    parts = [params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+    parts = ([params["wq"]] + [params["wk"][n] for n in names] + [params["wv"][n] for n in names]
+             + [params["wg"]])
     return {**plain, STEP_WEIGHTS: jnp.concatenate(parts, axis=1)}
 
 
@@ -352,13 +350,18 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     H, G, dk, dv = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v
     names = kv_names(cfg)
     fused = dense(x_t, params[STEP_WEIGHTS])
-    widths = [H * dk] + [G * dk] * len(names) + [G * dv] * len(names)
-    pieces = jnp.split(fused, np.cumsum(widths)[:-1], axis=-1)
-    rope = ((lambda a: a) if cfg.rope_theta is None
-            else (lambda a: apply_rope(a, positions, cfg.rope_theta)))
-    out = {"q": rope(pieces[0].reshape(B, T, H, dk))}
-    keys = {n: rope(p.reshape(B, T, G, dk)) for n, p in zip(names, pieces[1:1 + len(names)])}
-    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[1 + len(names):])}
+    # q and every key are side by side in the GEMM's output: RoPE turns them as one array of
+    # H + n_kv*G heads (one fusion instead of one per projection).
+    n_rope = H + len(names) * G
+    heads = fused[..., :n_rope * dk].reshape(B, T, n_rope, dk)
+    if cfg.rope_theta is not None:
+        heads = apply_rope(heads, positions, cfg.rope_theta)
+    widths = [G * dv] * len(names) + [3 * H]
+    pieces = jnp.split(fused[..., n_rope * dk:], np.cumsum(widths)[:-1], axis=-1)
+    out = {"q": heads[:, :, :H]}
+    keys = {n: heads[:, :, H + i * G:H + (i + 1) * G] for i, n in enumerate(names)}
+    values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[:len(names)])}
+    out["gate_logits"] = pieces[-1]
     for c in BRANCHES:
         name = "shared" if cfg.shared_kv else c
         out[f"k_{c}"], out[f"v_{c}"] = keys[name], values[name]
@@ -388,8 +391,8 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
                             params["cmp_k"] if mlp else None, cfg, backend, options)
         v_block = _compress(_ordered_ring(cache.v_raw, t - l + 1),
                             params["cmp_v"] if mlp else None, cfg, backend, options)
-        return cache._replace(k_cmp=_put(cache.k_cmp, k_block[:, None], slot),
-                              v_cmp=_put(cache.v_cmp, v_block[:, None], slot))
+        return cache._replace(k_cmp=put_rows(cache.k_cmp, k_block[:, None], slot),
+                              v_cmp=put_rows(cache.v_cmp, v_block[:, None], slot))
 
     return lax.cond(jnp.any(emit), write, lambda cache: cache, cache)
 
@@ -402,12 +405,17 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     fits, new = _room(cache, jnp.ones_like(cache.lengths))
     t = cache.lengths                                                      # [B]
     proj = _project_step(params, x_t, cfg, t[:, None])
-    cache = _append_tokens(cache, proj, t[:, None], new)
+    cache = _append_tokens(cache, proj, t[:, None], new, cfg, backend, options)
     emit = fits & nsa_common.completes_cmp_block(t, l, d)
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
                                              backend, options)
-    y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
+    if "gate_logits" in proj:  # prepared params: the gates came out of the projection GEMM
+        gates = jax.nn.sigmoid(proj["gate_logits"] + params["bg"]).reshape(
+            x_t.shape[0], 1, cfg.n_heads, 3)
+        y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win))
+    else:
+        y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
     reads = step_reads(cfg, t, block_idx)
     aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     cache = cache._replace(lengths=t + new, overflow=cache.overflow | ~fits)
@@ -447,14 +455,15 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         return dispatch.call(entry, backend, *args, options=options, positions=positions,
                              **kwargs)
 
-    if "cmp" in branches or "sel" in branches:
-        o, p_group = run("decode_compressed_attention", q, cache.k_cmp, cache.v_cmp, cfg,
-                         scale=cfg.scale)
+    if "sel" in branches:
+        # One entry for both (Pallas: the selection reads the compressed kernel's scores).
+        o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,
+                           scale=cfg.scale, n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
         if "cmp" in branches:
             o_cmp = o
-    if "sel" in branches:
-        block_idx = run("decode_select_blocks", p_group, cfg,
-                        n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
+    elif "cmp" in branches:
+        o_cmp, _ = run("decode_compressed_attention", q, cache.k_cmp, cache.v_cmp, cfg,
+                       scale=cfg.scale)
     if "sel" in branches or "win" in branches:
         # One entry runs both (Pallas: one kernel); without "sel" it gets no blocks.
         k_win, v_win, tokens = window if window is not None else (cache.k_win, cache.v_win, None)

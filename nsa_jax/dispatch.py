@@ -15,9 +15,14 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
 and the decode entries, for queries q `[B, Q, H, d_k]` at positions `[B, Q]` attending a decode
 cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
 
+    decode_append(buffers, tokens, index, cfg, *, positions) -> buffers: each buffer
+        `[B, S, G, d]` with `tokens[i] [B, Q, G, d]` written at rows `index[i] [B, Q]`
+        (`>= S`: not written); the step's six appends in one entry
     decode_compressed_attention(q, k_cmp, v_cmp, cfg, *, positions, scale)
         -> (o_cmp [B, Q, H, d_v], p_group [B, Q, G, C]: probabilities summed over each group)
     decode_select_blocks(p_group, cfg, *, positions, n_sel_blocks) -> block_idx [B, Q, G, n_sel]
+    decode_compressed_select(q, k_cmp, v_cmp, cfg, *, positions, scale, n_sel_blocks)
+        -> (o_cmp, block_idx): the two above in one entry, which a backend may fuse
     decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, cfg, *,
                                      positions, scale, window_tokens) -> (o_sel, o_win)
         (window_tokens None: k_win / v_win are the cache's ring, token s in slot s % W;
@@ -46,8 +51,8 @@ from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
             "sliding_window_attention")
-DECODE_BRANCHES = ("decode_compressed_attention", "decode_select_blocks",
-                   "decode_selected_window_attention")
+DECODE_BRANCHES = ("decode_append", "decode_compressed_attention", "decode_select_blocks",
+                   "decode_compressed_select", "decode_selected_window_attention")
 
 Backend = Union[str, Sequence[str]]
 

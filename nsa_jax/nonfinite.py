@@ -186,7 +186,9 @@ GUARDS = {
     "select_blocks": select_blocks,
     "selected_attention": selected_attention,
     "sliding_window_attention": sliding_window_attention,
+    "decode_append": unguarded,
     "decode_compressed_attention": unguarded,
     "decode_select_blocks": unguarded,
+    "decode_compressed_select": unguarded,
     "decode_selected_window_attention": unguarded,
 }

@@ -7,11 +7,12 @@ The kernels take plain hyperparameters (`cmp_block=`, `sel_block=`, ...) and kno
 XLA. Packed sequences are not supported by the kernels (registered with `packed=False`): they
 go to XLA too.
 
-Decode (`pallas_kernels.decode`): one kernel for the compressed branch and the selection
-probabilities, the overlap weights in XLA (`band_scores`: a few strided sums), the ranking on
-the selection's top-n kernel, one kernel for the selected and window branches. The kernels take
-one query per sequence over the cache's window ring; a chunk of queries (chunked prefill) goes
-to XLA.
+Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select`, the compressed
+kernel and a selection kernel that reads its scores (head sums, overlap weights, forced blocks
+and the top-n in one pass), then one kernel for the selected and window branches. The
+unfused entries stay registered (`decode_compressed_attention` alone; `decode_select_blocks`:
+`band_scores` in XLA and the top-n kernel). The kernels take one query per sequence over the
+cache's window ring; a chunk of queries (chunked prefill) goes to XLA.
 """
 from __future__ import annotations
 
@@ -121,6 +122,35 @@ def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: in
                          interpret=options.resolve_interpret())
 
 
+def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions,
+                  options: Optional[PallasOptions] = None):
+    """A decode step's appends (one token per sequence) in one kernel, in place
+    (`pallas_kernels.append_rows`); a chunk, or G*d not a power of two, goes to XLA."""
+    del cfg, positions
+    if any(t.shape[1] != 1 for t in tokens):
+        raise NotImplementedError("the Pallas append kernel writes one token per sequence")
+    options = options or DEFAULT_OPTIONS
+    if options.decode_blocks is not None and not options.decode_blocks.append_kernel:
+        raise NotImplementedError("decode_blocks.append_kernel is off")
+    return kernels.append_rows(buffers, tuple(t[:, 0] for t in tokens),
+                               tuple(i[:, 0] for i in index),
+                               interpret=options.resolve_interpret())
+
+
+def decode_compressed_select(q, k_cmp, v_cmp, cfg: NSAConfig, *, positions, scale,
+                             n_sel_blocks: int, options: Optional[PallasOptions] = None):
+    """The compressed branch and the selection in two kernels, with no probabilities in between
+    (`pallas_kernels.decode_compressed_select`)."""
+    _one_query(q, "decode_compressed_select")
+    options = options or DEFAULT_OPTIONS
+    o_cmp, _, block_idx = kernels.decode_compressed_select(
+        q[:, 0], k_cmp, v_cmp, positions[:, 0], cmp_block=cfg.cmp_block,
+        cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block, n_sel=cfg.n_sel, n_init=cfg.n_init,
+        n_local=cfg.n_local, n_blocks=n_sel_blocks, scale=scale,
+        block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
+    return o_cmp[:, None], block_idx[:, None]
+
+
 def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, cfg: NSAConfig,
                                      *, positions, scale, window_tokens=None,
                                      options: Optional[PallasOptions] = None):
@@ -146,6 +176,8 @@ def register() -> None:
     register_backend("selected_attention", "pallas", selected_attention)
     register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
     register_backend("decode_select_blocks", "pallas", decode_select_blocks)
+    register_backend("decode_compressed_select", "pallas", decode_compressed_select)
+    register_backend("decode_append", "pallas", decode_append)
     register_backend("decode_selected_window_attention", "pallas",
                      decode_selected_window_attention)
     register_fallback("pallas", "xla")

@@ -16,8 +16,11 @@ from pallas_kernels.compressed_attention import (
 )
 from pallas_kernels.decode import (
     DecodeBlockSizes,
+    append_rows,
     decode_compressed,
     decode_compressed_reference,
+    decode_compressed_select,
+    decode_compressed_select_reference,
     decode_selected_window,
     decode_selected_window_reference,
 )
@@ -40,11 +43,14 @@ __all__ = [
     "DecodeBlockSizes",
     "SelectBlocksBlockSizes",
     "SelectedAttentionBlockSizes",
+    "append_rows",
     "compressed_attention",
     "compressed_attention_reference",
     "compressed_lse",
     "decode_compressed",
     "decode_compressed_reference",
+    "decode_compressed_select",
+    "decode_compressed_select_reference",
     "decode_selected_window",
     "decode_selected_window_reference",
     "random_block_idx",

@@ -104,6 +104,22 @@ def online_softmax_init(rows: int, dv: int):
             jnp.zeros((rows,), jnp.float32))
 
 
+def online_softmax_step(carry, s, v, dot_fn=None):
+    """One online-softmax update with scores `s [rows, n]` in the log2 domain, masked keys at
+    `MASK`, values `v [n, dv]`; `dot_fn` the product `p @ v` (default `dot`). A masked key
+    weighs `2^(MASK - m) = 0` once the row has seen a key; before that its row's max is still
+    `MASK` and the sums it adds are wiped by the correction `2^(MASK - m) = 0` at the row's first
+    key, or the row is empty and `online_softmax_finish` gives o = 0. The compressed-attention
+    kernels keep their own loop: they mask with -inf and can skip V (lse only)."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    correction = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    l = l * correction + jnp.sum(p, axis=1)
+    acc = acc * correction[:, None] + (dot_fn or dot)(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+
 def online_softmax_finish(carry):
     """(o, lse in log2) of an online softmax; a row that saw no key (its max still the mask)
     gets o = 0, lse = -inf."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from types import SimpleNamespace
 from typing import Optional
 
 import jax
@@ -37,15 +38,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from nsa_common import cmp_admissible
+from nsa_common import cmp_admissible, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
-                                    online_softmax_init, pad_axis, pallas_call)
+                                    online_softmax_init, online_softmax_step, pad_axis,
+                                    pallas_call)
+from pallas_kernels.select_blocks import BlockSizes, top_n
 
 __all__ = [
     "DecodeBlockSizes",
+    "append_rows",
     "decode_compressed",
     "decode_compressed_reference",
+    "decode_compressed_select",
+    "decode_compressed_select_reference",
     "decode_selected_window",
     "decode_selected_window_reference",
 ]
@@ -61,6 +67,15 @@ class DecodeBlockSizes:
     blocks and the window tiles), until the grid holds `target_programs` programs; a combine
     step merges their partial softmaxes. A small batch then still fills the GPU (one program
     per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
+    block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
+    blocks scored per program, a power of two). topn_elements, num_warps_topn: the top-n kernel
+    that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
+    program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
+    an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
+    32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
+    with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps).
+    append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
+    scatters).
     """
 
     block_cmp: int = 64
@@ -69,6 +84,11 @@ class DecodeBlockSizes:
     num_stages: int = 2
     target_programs: int = 264
     max_splits: int = 64
+    block_sel: int = 32
+    num_warps_select: int = 4
+    topn_elements: int = 1024
+    num_warps_topn: int = 4
+    append_kernel: bool = True
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
@@ -77,6 +97,9 @@ class DecodeBlockSizes:
 
     def __post_init__(self):
         check_tile_sizes(self)
+        if self.topn_elements != next_pow2(self.topn_elements):
+            raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
+                             f"of 2")
 
 
 def _tile(first, size: int, length: int):
@@ -92,28 +115,17 @@ def _score_tile(s_ref, start, size: int):
     return s_ref.at[pl.ds(jnp.int32(0), s_ref.shape[0]), pl.ds(start, size)]
 
 
-def _online_step(carry, s, v):
-    """One online-softmax update with scores `s [rows, n]` (log2 domain, MASK where masked)."""
-    acc, m, l = carry
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    correction = jnp.exp2(m - m_new)
-    p = jnp.where(s > 0.5 * MASK, jnp.exp2(s - m_new[:, None]), 0.0)
-    l = l * correction + jnp.sum(p, axis=1)
-    acc = acc * correction[:, None] + dot(p.astype(v.dtype), v)
-    return acc, m_new, l
-
-
 # ----------------------------------------------------------------------------------------------
 # Kernels (grid: batch row, KV head)
 
 
 def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
-                cmp_stride, block, n_cmp, tiles_per_split):
+                cmp_stride, block, n_cmp, tiles_per_split, score_offset=0):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); q_ref [h_pad, dk_pad];
     k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from n_cmp on are padding); this
     split's partial softmax over its tiles: o_ref [h_pad, dv_pad] (float32, normalised),
-    lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, C_pad] (log2 scores: each
-    split writes only its own slots)."""
+    lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, >= score_offset + C_pad] (the
+    log2 score of slot i at column score_offset + i: each split writes only its own slots)."""
     n_slots = k_ref.shape[0]
     t = t_ref[0]
     # Blocks visible to t: i*d + l - 1 <= t, written with a non-negative numerator (Triton's
@@ -138,8 +150,8 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
-        pltriton.store(_score_tile(s_ref, start, block), s, mask=new)
-        return _online_step(carry, s, v)
+        pltriton.store(_score_tile(s_ref, start + score_offset, block), s, mask=new)
+        return online_softmax_step(carry, s, v)
 
     carry = lax.fori_loop(first_tile, live_end, visit, online_softmax_init(*o_ref.shape))
 
@@ -147,7 +159,8 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
         first = i * block
         start, slot = _tile(first, block, n_slots)
         rows = s_ref.shape[0]
-        pltriton.store(_score_tile(s_ref, start, block), jnp.full((rows, block), MASK, jnp.float32),
+        pltriton.store(_score_tile(s_ref, start + score_offset, block),
+                       jnp.full((rows, block), MASK, jnp.float32),
                        mask=jnp.broadcast_to(slot >= first, (rows, block)))
         return unused
 
@@ -181,7 +194,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         v = vs_ref[pl.ds(start, tile), :]
         keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
         s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
-        return _online_step(carry, s, v)
+        return online_softmax_step(carry, s, v)
 
     first_block = split * blocks_per_split
     carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
@@ -197,13 +210,49 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
         s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
-        return _online_step(carry, s, v)
+        return online_softmax_step(carry, s, v)
 
     first_tile = split * ring_tiles_per_split
     end_tile = jnp.minimum(first_tile + ring_tiles_per_split, -(-ring_pad // block_win))
     carry = lax.fori_loop(first_tile, jnp.maximum(first_tile, end_tile), visit_ring,
                           online_softmax_init(*ow_ref.shape))
     ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
+
+
+def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, cmp_block, cmp_stride, sel_block,
+                   n_cmp, n_blocks, n_init, n_local, score_offset, block_sel):
+    """Grid (batch row, KV head, step). The decode selection scores of one query from the
+    compressed kernel's scores: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
+    heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
+    score_offset + i, MASK where not admissible); value_ref [1, block_sel]: the scores of
+    selection blocks `[k*block_sel, (k+1)*block_sel)` for step k, ranked after by `top_n`.
+
+    Selection block j weighs compressed slots `j*r + m` (r = l_sel / d, m from -(l/d - 1) to
+    r - 1) by their overlap / d (the weights of `nsa_common.overlap_weights`): one strided load
+    of the scores per m, `2^(s - lse)` summed over the heads, weighted, added. Forced blocks get
+    +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with one query per
+    program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the top-n kernel
+    ranks all rows at once."""
+    t = t_ref[0]
+    lse = lse_ref[...]
+    r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
+    last = lax.div(t, jnp.int32(sel_block))
+    k = pl.program_id(2)
+    j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
+    score = jnp.zeros((1, block_sel), jnp.float32)
+    for m in range(-left, r):
+        weight = (min(m * cmp_stride + cmp_block, sel_block) - max(m * cmp_stride, 0)) / cmp_stride
+        if weight <= 0:
+            continue
+        start = k * (block_sel * r) + (score_offset + m)
+        s = s_ref[:, pl.ds(start, block_sel, stride=r)]
+        slot = j * r + m
+        ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
+        p = jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0)
+        score = score + weight * jnp.sum(p, axis=0, keepdims=True)
+    forced = (j < n_init) | (j > last - n_local)
+    value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
+    value_ref[...] = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
 
 
 def combine_splits(o_part, lse_part):
@@ -217,6 +266,113 @@ def combine_splits(o_part, lse_part):
     safe = jnp.where(total > 0, total, 1.0)
     o = jnp.sum(weight[..., None] * o_part, axis=-3) / safe[..., None]
     return o, jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
+
+
+def _combine_kernel(*refs, splits: int, n: int):
+    """Grid (batch row, KV head, head chunk, d_v chunk). The split-KV combine of `n` partial
+    softmaxes: refs = n x lse_ref [S_pad, h_c] (log2; rows from `splits` on are never written),
+    n x o_ref [S_pad, h_c, dv_c] (float32, each normalised over its split's keys), then n x
+    out_ref [h_c, dv_c] (the merged o, in the output dtype; 0 where no split saw a key) and n x
+    lse_out_ref [h_c] (log2, -inf there; every d_v chunk writes the same values). The whole slab
+    is loaded at once (no loop over the splits), and the grid spreads a batch of one over many
+    SMs. `combine_splits` is the same in XLA."""
+    lse_refs, o_refs = refs[:n], refs[n:2 * n]
+    out_refs, lse_out_refs = refs[2 * n:3 * n], refs[3 * n:]
+    for lse_ref, o_ref, out_ref, lse_out_ref in zip(lse_refs, o_refs, out_refs, lse_out_refs):
+        row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
+        lse = jnp.where(row < splits, lse_ref[...], -jnp.inf)
+        m = jnp.max(lse, axis=0)
+        m = jnp.where(m > -jnp.inf, m, 0.0)
+        weight = jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0)     # [S_pad, h_c]
+        total = jnp.sum(weight, axis=0)
+        row3 = lax.broadcasted_iota(jnp.int32, o_ref.shape, 0)
+        o = jnp.where(row3 < splits, o_ref[...], 0.0)    # unwritten rows may hold NaN
+        acc = jnp.sum(weight[:, :, None] * o, axis=0)
+        safe = jnp.where(total > 0, total, 1.0)
+        out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
+        lse_out_ref[...] = jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
+
+
+# Elements of the o slab one combine program loads (4,096: 32 float32 registers a thread at 4
+# warps).
+_COMBINE_SLAB = 4096
+
+
+def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
+    """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad]), ...]` ->
+    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all.
+    A program takes `[S_pad, h_c, dv_c]` of each (about `_COMBINE_SLAB` elements, powers of two,
+    dv_c >= 16)."""
+    B, G, S_pad, h_pad, dv_pad = parts[0][0].shape
+    dv_c = max(16, min(dv_pad, _COMBINE_SLAB // (S_pad * h_pad)))
+    h_c = max(1, min(h_pad, _COMBINE_SLAB // (S_pad * dv_c)))
+    n = len(parts)
+    grid = (B, G, h_pad // h_c, dv_pad // dv_c)
+    lse_spec = pl.BlockSpec((None, None, S_pad, h_c), lambda b, g, i, j: (b, g, 0, i))
+    o_spec = pl.BlockSpec((None, None, S_pad, h_c, dv_c), lambda b, g, i, j: (b, g, 0, i, j))
+    out_spec = pl.BlockSpec((None, None, h_c, dv_c), lambda b, g, i, j: (b, g, i, j))
+    lse_out_spec = pl.BlockSpec((None, None, h_c), lambda b, g, i, j: (b, g, i))
+    outs = pallas_call(
+        functools.partial(_combine_kernel, splits=splits, n=n), name="nsa_decode_combine",
+        num_warps=num_warps, num_stages=1, interpret=interpret, grid=grid,
+        in_specs=[lse_spec] * n + [o_spec] * n,
+        out_specs=[out_spec] * n + [lse_out_spec] * n,
+        out_shape=([jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)] * n
+                   + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
+    )(*[lse for _, lse in parts], *[o for o, _ in parts])
+    return list(zip(outs[:n], outs[n:]))
+
+
+def _append_kernel(*refs, n: int):
+    """Grid (batch row,). refs = n x idx_ref [1] (the row to write; >= the buffer's length: none),
+    n x tok_ref [1, W] (the token, W = G*d), n x the aliased buffers (unread), n x out_ref
+    [S, W] (the same buffers, written in place)."""
+    idx_refs, tok_refs, out_refs = refs[:n], refs[n:2 * n], refs[3 * n:]
+    for idx_ref, tok_ref, out_ref in zip(idx_refs, tok_refs, out_refs):
+        row = idx_ref[0]
+        size = out_ref.shape[0]
+        token = tok_ref[...]
+        ok = jnp.broadcast_to(row < size, token.shape)
+        # Every index int32 (a bare `:` would be int64 under jax_enable_x64).
+        view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1),
+                          pl.ds(jnp.int32(0), out_ref.shape[1])]
+        pltriton.store(view, token, mask=ok)
+
+
+def append_rows(buffers, tokens, index, *, interpret: bool = False):
+    """The appends of a decode step in one kernel, in place: each `buffers[i] [B, S_i, G, d]`
+    with `tokens[i] [B, G, d]` written at row `index[i] [B]` (int; `>= S_i`: not written).
+    G*d must be a power of two >= 16 for every buffer (the row is one vector store). Returns the
+    updated buffers (aliased to the inputs: donate them, or XLA copies them first)."""
+    n = len(buffers)
+    if not (n == len(tokens) == len(index)) or n == 0:
+        raise ValueError(f"append_rows takes as many tokens and indices as buffers (got {n}, "
+                         f"{len(tokens)}, {len(index)})")
+    B = buffers[0].shape[0]
+    flat, toks, rows = [], [], []
+    for buf, tok, idx in zip(buffers, tokens, index):
+        width = buf.shape[2] * buf.shape[3]
+        if width != next_pow2(width) or width < 16:
+            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
+        if tok.shape != (B,) + buf.shape[2:] or idx.shape != (B,):
+            raise ValueError(f"token {tok.shape} / index {idx.shape} do not match buffer "
+                             f"{buf.shape}")
+        flat.append(buf.reshape(B, buf.shape[1], width))
+        toks.append(tok.astype(buf.dtype).reshape(B, 1, width))
+        rows.append(idx.astype(jnp.int32))
+    outs = pallas_call(
+        functools.partial(_append_kernel, n=n), name="nsa_decode_append", num_warps=4,
+        num_stages=1, interpret=interpret, grid=(B,),
+        in_specs=([pl.BlockSpec((1,), lambda b: (b,))] * n
+                  + [pl.BlockSpec((None, 1, t.shape[2]), lambda b: (b, 0, 0)) for t in toks]
+                  + [pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                     for f in flat]),
+        out_specs=[pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                   for f in flat],
+        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
+        input_output_aliases={2 * n + i: i for i in range(n)},
+    )(*rows, *toks, *flat)
+    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,40 +445,119 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     if implementation == "xla":
         return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
-    bs = block_sizes or DecodeBlockSizes()
+    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                      cmp_stride=cmp_stride, scale=scale,
+                                      bs=block_sizes or DecodeBlockSizes(), interpret=interpret)
+    # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
     h, C = H // G, k_cmp.shape[1]
-    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(H // G)
+    s = s[:, :, :h, :C]
+    finite = jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0)
+    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - finite[..., None]), 0.0), axis=2)
+    return o, (lse_log2 * LN_2).reshape(B, H), p_group
+
+
+def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
+                     score_offset: int = 0, min_cols: int = 0):
+    """The compressed kernel and the combine of its splits: (o [B, H, d_v] in q's dtype,
+    lse_log2 [B, G, h] float32, the raw log2 scores [B, G, h_pad, n_cols] float32 with slot i at
+    column score_offset + i, n_cols >= max(score_offset + slots, min_cols); columns no slot
+    maps to are never written)."""
+    B, H, dk = q.shape
+    G, C, dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
+    h = H // G
+    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
     kc, vc = _cache(k_cmp, bs.block_cmp, dk_pad), _cache(v_cmp, bs.block_cmp, dv_pad)
     n_slots = kc.shape[1]
+    n_cols = max(score_offset + n_slots, min_cols)
     n_tiles = -(-n_slots // bs.block_cmp)
     splits = bs.splits(B * G, n_tiles)
     kernel = functools.partial(_cmp_kernel, scale=float(scale), cmp_block=cmp_block,
                                cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C,
-                               tiles_per_split=-(-n_tiles // splits))
+                               tiles_per_split=-(-n_tiles // splits), score_offset=score_offset)
     per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
                                            lambda b, g, i: (b, g) + (0,) * len(tail))
     per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
                                         lambda b, g, i: (b, 0, g, 0))
+    s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
     o_part, lse_part, s = pallas_call(
         kernel, name="nsa_decode_compressed", num_warps=bs.num_warps, num_stages=bs.num_stages,
         interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
                   cache_spec(dk_pad), cache_spec(dv_pad)],
-        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_slots)],
-        out_shape=[jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((B, G, h_pad, n_slots), jnp.float32)],
+        out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_cols)],
+        out_shape=[jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32),
+                   jax.ShapeDtypeStruct((B, G, h_pad, n_cols), jnp.float32)],
     )(t, _query_rows(q, G, dk_pad), kc, vc)
-    o, lse_log2 = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
-    # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
-    s = s[:, :, :h, :C]
-    finite = jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0)
-    p_group = jnp.sum(jnp.where(s > 0.5 * MASK, jnp.exp2(s - finite[..., None]), 0.0), axis=2)
-    lse = lse_log2 * LN_2
-    return o.astype(q.dtype).reshape(B, H, dv), lse.reshape(B, H), p_group
+    [(o, lse_log2)] = _combine([(o_part, lse_part)], splits, q.dtype, num_warps=bs.num_warps,
+                               interpret=interpret)
+    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s
+
+
+def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
+                             sel_block: int, n_sel: int, n_init: int, n_local: int,
+                             n_blocks: int, scale: float,
+                             block_sizes: Optional[DecodeBlockSizes] = None,
+                             interpret: bool = False, implementation: str = "triton"):
+    """`decode_compressed` and the block selection of its query in two kernels, with no
+    `[B, G, C]` probabilities in between: the compressed kernel writes its log2 scores, a
+    selection kernel over (batch row, KV head, blocks) turns them into the selection blocks'
+    scores (probabilities summed over the group's heads, weighted by the blocks' overlap) and
+    forces the `n_init` first and `n_local` last blocks, and the top-n kernel (`top_n`) keeps the
+    best `n_sel`.
+
+    Returns `(o [B, H, d_v] in q's dtype, lse [B, H] float32, block_idx [B, G, n_sel] int32)`:
+    the `n_sel` best of the `n_blocks` selection blocks visible to t (`j <= t // sel_block`),
+    ascending, -1 padded; among equal scores the lower index (docs/NSA_SPEC.md).
+    """
+    check_implementation(implementation)
+    B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
+    if k_cmp.shape[1] != v_cmp.shape[1]:
+        raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
+    if sel_block % cmp_stride or cmp_block % cmp_stride:
+        raise ValueError(f"sel_block ({sel_block}) and cmp_block ({cmp_block}) must be "
+                         f"multiples of cmp_stride ({cmp_stride})")
+    if n_sel < 1 or n_blocks < 1:
+        raise ValueError(f"n_sel ({n_sel}) and n_blocks ({n_blocks}) must be >= 1")
+    t = _positions(t, B)
+    if implementation == "xla":
+        return decode_compressed_select_reference(
+            q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+            n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale)
+    bs = block_sizes or DecodeBlockSizes()
+    r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
+    block_sel = bs.block_sel
+    n_steps = -(-n_blocks // block_sel)
+    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                      cmp_stride=cmp_stride, scale=scale, bs=bs,
+                                      interpret=interpret, score_offset=left,
+                                      min_cols=left + n_steps * block_sel * r)
+    h_pad = s.shape[2]
+    # Padded heads get lse +inf (2^(s - inf) = 0); a query that saw no key gets 0 (its scores
+    # are all MASK).
+    lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
+                        value=jnp.inf)
+    kernel = functools.partial(_select_kernel, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                               sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
+                               n_init=n_init, n_local=n_local, score_offset=left,
+                               block_sel=block_sel)
+    value = pallas_call(
+        kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
+        interpret=interpret,
+        grid=(B, G, n_steps),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, k: (b,)),
+                  pl.BlockSpec((None, None, h_pad), lambda b, g, k: (b, g, 0)),
+                  pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g, k: (b, g, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, 1, block_sel), lambda b, g, k: (b, g, 0, k)),
+        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_steps * block_sel), jnp.float32),
+    )(t, lse_rows, s)
+    # Columns past n_blocks hold -inf, so the top-n never picks them.
+    ranking = BlockSizes(topn_elements=bs.topn_elements, num_warps_topn=bs.num_warps_topn)
+    idx = top_n(value[:, :, 0], n_sel, block_sizes=ranking, interpret=interpret)
+    return o, (lse_log2 * LN_2).reshape(B, H), idx
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
@@ -370,8 +605,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                                            lambda b, g, i: (b, g, i) + (0,) * len(tail))
     cache_spec = lambda n, d: pl.BlockSpec((None, n, None, d),                 # noqa: E731
                                            lambda b, g, i: (b, 0, g, 0))
-    o_part = jax.ShapeDtypeStruct((B, G, splits, h_pad, dv_pad), jnp.float32)
-    lse_part = jax.ShapeDtypeStruct((B, G, splits, h_pad), jnp.float32)
+    s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
+    o_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32)
+    lse_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32)
     os_part, ls_part, ow_part, lw_part = pallas_call(
         kernel, name="nsa_decode_selected_window", num_warps=bs.num_warps,
         num_stages=bs.num_stages, interpret=interpret,
@@ -384,11 +620,9 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
         out_shape=[o_part, lse_part] * 2,
     )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
 
-    def merged(o_part, lse_part):
-        o, _ = combine_splits(o_part[:, :, :, :h, :dv], lse_part[:, :, :, :h])
-        return o.astype(q.dtype).reshape(B, H, dv)
-
-    return merged(os_part, ls_part), merged(ow_part, lw_part)
+    merged = _combine([(os_part, ls_part), (ow_part, lw_part)], splits, q.dtype,
+                      num_warps=bs.num_warps, interpret=interpret)
+    return tuple(o[:, :, :h, :dv].reshape(B, H, dv) for o, _ in merged)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,6 +657,25 @@ def decode_compressed_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_strid
     allowed = jnp.broadcast_to(cmp_admissible(slot, t, cmp_block, cmp_stride), (B, G, C))
     o, lse, p = _masked_attention(qg, k_cmp, v_cmp, allowed, scale)
     return (o.reshape(B, H, -1).astype(q.dtype), lse.reshape(B, H), jnp.sum(p, axis=2))
+
+
+def decode_compressed_select_reference(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
+                                       sel_block: int, n_sel: int, n_init: int, n_local: int,
+                                       n_blocks: int, scale: float):
+    """`decode_compressed_select` in plain JAX: the probabilities of `decode_compressed_reference`
+    times the dense overlap matrix, forced and eligible blocks, then `lax.top_k` (the lower index
+    first on ties) and a sort (`top_n(implementation="xla")`)."""
+    o, lse, p_group = decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                                  cmp_stride=cmp_stride, scale=scale)
+    weights = jnp.asarray(overlap_weights(SimpleNamespace(
+        cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block), p_group.shape[-1],
+        n_blocks))
+    score = jnp.einsum("bgc,cs->bgs", p_group, weights, precision=lax.Precision.HIGHEST)
+    j = jnp.arange(n_blocks, dtype=jnp.int32)
+    last = (jnp.broadcast_to(jnp.asarray(t, jnp.int32), (q.shape[0],)) // sel_block)[:, None, None]
+    forced = (j < n_init) | (j > last - n_local)
+    value = jnp.where(j <= last, jnp.where(forced, jnp.inf, score), -jnp.inf)
+    return o, lse, top_n(value, n_sel, implementation="xla")
 
 
 def decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t, *,

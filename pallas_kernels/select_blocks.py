@@ -47,9 +47,8 @@ from pallas_kernels._common import (LOG2_E, MATMUL_MIN, check_implementation, ch
 # The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
 # over tiles of compressed keys).
 import pallas_kernels._compressed_tiles as tiles
+from pallas_kernels._topn import NO_BLOCK as _NO_BLOCK, ascending, empty_top, insert_top
 
-# An index larger than any block index: marks empty slots of the running top-n.
-_NO_BLOCK = 2 ** 30
 
 
 TOPN_METHODS = ("pallas", "xla", "fused")
@@ -109,53 +108,6 @@ class BlockSizes:
         if self.topn_elements != next_pow2(self.topn_elements):
             raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
                              f"of 2")
-
-
-def _insert_top(top_val, top_idx, score, index):
-    """Fold a step's candidates `(score, index) [R, S]` into the running top set
-    `(top_val, top_idx) [R, K]` (unsorted, K = n_sel slots).
-
-    The order is the spec's: higher score first, on equal scores the lower index. Each round
-    takes every row's best remaining candidate and, where it beats the row's worst member, puts
-    it in that member's slot. A row is done as soon as its best candidate does not beat its worst
-    member (later candidates are worse, the worst member only gets better), so the rounds number
-    one more than the most insertions of any row: usually one or two once the set is full.
-    Empty slots hold `(-inf, _NO_BLOCK + slot)`: distinct, and worse than any block. `-inf`
-    candidates (ineligible blocks) never enter."""
-
-    def insert(carry):
-        top_val, top_idx, score, _ = carry
-        best = score.max(axis=1)
-        pick = jnp.where(score == best[:, None], index, _NO_BLOCK).min(axis=1)
-        worst = top_val.min(axis=1)
-        worst_idx = jnp.where(top_val == worst[:, None], top_idx, -1).max(axis=1)
-        better = (best > worst) | ((best == worst) & (pick < worst_idx))
-        better = better & (best > -jnp.inf)
-        replace = better[:, None] & (top_idx == worst_idx[:, None])
-        top_val = jnp.where(replace, best[:, None], top_val)
-        top_idx = jnp.where(replace, pick[:, None], top_idx)
-        score = jnp.where(better[:, None] & (index == pick[:, None]), -jnp.inf, score)
-        return top_val, top_idx, score, better.astype(jnp.int32).max()
-
-    top_val, top_idx, _, _ = lax.while_loop(lambda carry: carry[3] > 0, insert,
-                                            (top_val, top_idx, score, jnp.int32(1)))
-    return top_val, top_idx
-
-
-def _ascending(top_idx, n_sel: int):
-    """The `n_sel` smallest of `top_idx [R, K]` in ascending order; empty slots -> -1."""
-    column = lax.broadcasted_iota(jnp.int32, top_idx.shape, 1)
-
-    def extract(slot, carry):
-        rest, out = carry
-        smallest = rest.min(axis=1)
-        out = jnp.where(column == slot, smallest[:, None], out)
-        rest = jnp.where(rest == smallest[:, None], _NO_BLOCK, rest)
-        return rest, out
-
-    _, out = lax.fori_loop(0, n_sel, extract,
-                           (top_idx, jnp.full(top_idx.shape, _NO_BLOCK, jnp.int32)))
-    return jnp.where(out >= _NO_BLOCK, -1, out)
 
 
 def _overlap_tiles(width: int, block_sel: int, span: int, cmp_block: int, cmp_stride: int,
@@ -342,23 +294,20 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, n_sel: int, **geometry):
     """Scores and a running top-n in registers (`_insert_top`), one kernel."""
     q_tile = q_ref.shape[0]
     scorer = _make_scorer(q_ref, k_ref, lse_ref, pl.program_id(1) * q_tile, **geometry)
-    column = lax.broadcasted_iota(jnp.int32, (q_tile, idx_ref.shape[1]), 1)
     block_sel = geometry["block_sel"]
 
     def body(k, state, masked):
         previous, (top_val, top_idx) = state
         score, p_sum = scorer.step(k, previous, masked)
         index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
-        return p_sum, _insert_top(top_val, top_idx, score, index)
+        return p_sum, insert_top(top_val, top_idx, score, index)
 
-    # Slots past n_sel (n_sel padded to a power of two) hold +inf, so they are never the worst
-    # member: the only +inf candidates are forced blocks, at most n_sel of them.
-    init = (jnp.where(column < n_sel, -jnp.inf, jnp.inf).astype(jnp.float32), _NO_BLOCK + column)
-    _, top_idx = scorer.run(body, init)
-    block_idx = _ascending(top_idx, n_sel)
+    _, top_idx = scorer.run(body, empty_top(q_tile, n_sel, idx_ref.shape[1]))
+    block_idx = ascending(top_idx, n_sel)
     if idx_ref.shape[1] == n_sel:
         idx_ref[...] = block_idx
     else:
+        column = lax.broadcasted_iota(jnp.int32, block_idx.shape, 1)
         pltriton.store(idx_ref, block_idx, mask=column < n_sel)
 
 
@@ -405,7 +354,7 @@ def _topn_kernel(score_ref, idx_ref, *, n_sel: int):
 
     _, chosen = lax.fori_loop(0, n_sel, pick,
                               (score, jnp.full(idx_ref.shape, _NO_BLOCK, jnp.int32)))
-    idx_ref[...] = _ascending(chosen, n_sel)
+    idx_ref[...] = ascending(chosen, n_sel)
 
 
 def _top_n_xla(score, n_sel: int):

@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_kernel_dtype,
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
-                                    online_softmax_init, pad_axis, pallas_call)
+                                    online_softmax_init, online_softmax_step, pad_axis,
+                                    pallas_call)
 
 __all__ = [
     "BlockSizes",
@@ -161,15 +162,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
     scale_log2 = scale * LOG2_E
 
     def visit(slot, carry):
-        acc, m, l = carry
         k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile)
         s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)   # [h_pad, tile]
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l = l * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_new, l
+        return online_softmax_step(carry, s, v, _dot)
 
     carry = lax.fori_loop(0, _visit_bound(idx_ref), visit, online_softmax_init(rows, dv))
     # A row that met no admissible key (only possible for invalid block_idx) gets o = 0 and

@@ -218,6 +218,11 @@ def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
     assert {k["what"] for k in kernels} == {"nsa", "nsa_base"}
     with pytest.raises(ValueError, match="rows"):
         profile_decode.parse_args(["--device", "cpu", "--rows", "nsa,warp"])
+    tiles = profile_decode.parse_decode_blocks("block_cmp=128, num_stages=3,append_kernel=false")
+    assert (tiles.block_cmp, tiles.num_stages, tiles.append_kernel) == (128, 3, False)
+    for bad in ("block_cmp=96", "tile=64", "block_cmp=x", "append_kernel=2"):
+        with pytest.raises(ValueError, match="decode_blocks"):
+            profile_decode.parse_decode_blocks(bad)
 
 
 NSA_SCRIPTS = ("bench_prefill", "bench_decode", "breakdown_prefill", "bench_selection",

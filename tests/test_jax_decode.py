@@ -291,20 +291,26 @@ def test_decode_step_branches_is_decode_step_with_forced_gates():
 
 @pytest.mark.parametrize("shared_kv", [False, True])
 def test_prepared_params_project_in_one_gemm(shared_kv):
-    """`prepare_decode_params` changes how a step projects (one GEMM), not what it computes."""
+    """`prepare_decode_params` changes how a step projects (one GEMM, gate logits included), not
+    what it computes."""
     cfg = NSAConfig.tiny(shared_kv=shared_kv)
     params, x = make_inputs(cfg, 2, 12, jnp.float32, seed=14)
     prepared = nsa_jax.decode.prepare_decode_params(params, cfg)
     positions = jnp.array([[3], [11]], jnp.int32)
     want = nsa_jax.layer.project(params, x[:, :1], cfg, positions)
     got = nsa_jax.decode._project_step(prepared, x[:, :1], cfg, positions)
-    assert set(got) == set(want)
+    assert set(got) == set(want) | {"gate_logits"}
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(got["gate_logits"], x[:, :1] @ params["wg"], rtol=1e-5,
+                               atol=1e-6)
     _, cache = nsa_jax.prefill(params, x[:, :11], cfg, nsa_jax.init_cache(cfg, 2, 16))
-    y_plain, _, _ = nsa_jax.decode_step(params, x[:, 11:12], cfg, cache)
-    y_fused, _, _ = nsa_jax.decode_step(prepared, x[:, 11:12], cfg, cache)
+    y_plain, _, _, aux_plain = nsa_jax.decode_step(params, x[:, 11:12], cfg, cache,
+                                                   return_aux=True)
+    y_fused, _, _, aux_fused = nsa_jax.decode_step(prepared, x[:, 11:12], cfg, cache,
+                                                   return_aux=True)
     assert rel_err(y_fused, y_plain) <= F32_TOL
+    assert rel_err(aux_fused["gates"], aux_plain["gates"]) <= F32_TOL
 
 
 def test_decode_takes_every_backend_form(monkeypatch):

@@ -218,6 +218,134 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     np.testing.assert_array_equal(np.asarray(got_xla), want)
 
 
+@pytest.mark.parametrize("l,d,l_sel,n_sel,n_blocks,C", [
+    (8, 4, 16, 4, 12, 40),      # the paper's ratios, 4x smaller
+    (32, 16, 64, 16, 30, 100),  # the paper's sizes
+    (16, 16, 16, 3, 9, 9),      # l = d = l_sel: the overlap matrix is the identity
+    (12, 4, 24, 5, 7, 37),      # r = 6 (not a power of two), two slots before each block
+    (8, 4, 16, 8, 5, 20),       # fewer blocks than n_sel
+    (8, 4, 16, 4, 100, 400),    # 7 programs of 16 blocks per row
+])
+@pytest.mark.parametrize("block_sel", [16, 64])
+def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n_blocks, C,
+                                                           block_sel):
+    """The fused selection (interpret mode) picks the blocks of the unfused path
+    (`decode_compressed`'s probabilities, `band_scores`, `top_blocks`) and of its plain-JAX
+    reference, with the same o and lse, rows at different positions (one before any block);
+    selection programs of 16 and 64 blocks."""
+    from nsa_jax.xla.select_blocks import top_blocks
+
+    B, H, G = 4, 8, 2
+    x = _inputs(B, H, G, 16, 16, C, 64, 32, jnp.float32, seed=C)
+    t = jnp.asarray([n_blocks * l_sel - 1, l_sel * 2 + 3, l - 2, (C - 1) * d + l - 1], jnp.int32)
+    kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
+              n_blocks=n_blocks, scale=0.3)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel)
+    o, lse, idx = D.decode_compressed_select(x["q"], x["k_cmp"], x["v_cmp"], t, interpret=True,
+                                             block_sizes=tiles, **kw)
+    o_r, lse_r, idx_r = D.decode_compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
+                                                             **kw)
+    o_u, lse_u, p_group = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=l,
+                                              cmp_stride=d, scale=0.3, interpret=True)
+    cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1,
+                         n_local=2, window=l_sel)
+    want = np.asarray(top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg))
+    np.testing.assert_array_equal(np.asarray(idx), want)
+    np.testing.assert_array_equal(np.asarray(idx_r), want)
+    assert rel_err(o, o_u) <= F32_TOL and rel_err(o, o_r) <= F32_TOL
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_u))
+    # t = l - 2: no compressed block yet, only the forced block 0.
+    np.testing.assert_array_equal(np.asarray(idx)[2], [[0] + [-1] * (n_sel - 1)] * G)
+
+
+@pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8), (37, 64)])
+def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
+    """The split-KV combine kernel (interpret mode) against `combine_splits`: random partial
+    softmaxes, a split without keys (-inf), a row no split saw (o 0, lse -inf), and the unwritten
+    padding rows of S_pad holding NaN (masked). S_pad 64 splits the heads over 4 programs and
+    d_v over 2."""
+    rng = np.random.default_rng(splits)
+    B, G, h, dv = 2, 3, 16, 32
+    o = rng.standard_normal((B, G, s_pad, h, dv)).astype(np.float32)
+    lse = (3 * rng.standard_normal((B, G, s_pad, h))).astype(np.float32)
+    lse[0, 0, 0, :] = -np.inf
+    lse[1, 2, :, 5] = -np.inf
+    o[..., splits:, :, :], lse[..., splits:, :] = np.nan, np.nan
+    [(got, got_lse)] = D._combine([(jnp.asarray(o), jnp.asarray(lse))], splits, jnp.float32,
+                                  num_warps=4, interpret=True)
+    want, want_lse = D.combine_splits(jnp.asarray(o[:, :, :splits]),
+                                      jnp.asarray(lse[:, :, :splits]))
+    assert rel_err(got, want) <= F32_TOL
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+    assert np.all(np.asarray(got)[1, 2, 5] == 0) and np.asarray(got_lse)[1, 2, 5] == -np.inf
+
+
+def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
+    """The append kernel (interpret mode) writes each token at its row of its buffer, leaves
+    every other row as it was, and writes nothing for an index past the buffer's end; the
+    result equals XLA's scatter (`put_rows`)."""
+    import pallas_kernels
+    from nsa_jax.xla.decode import put_rows
+
+    rng = np.random.default_rng(3)
+    B, G = 3, 2
+    buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
+                    for S, d in ((40, 16), (8, 32), (5, 16)))
+    tokens = tuple(jnp.asarray(rng.standard_normal((B, G, b.shape[3])), jnp.float32)
+                   for b in buffers)
+    index = (jnp.asarray([0, 39, 40], jnp.int32), jnp.asarray([7, 3, 100], jnp.int32),
+             jnp.asarray([2, 4, 0], jnp.int32))
+    got = pallas_kernels.append_rows(buffers, tokens, index, interpret=True)
+    for g, b, t, i in zip(got, buffers, tokens, index):
+        want = put_rows(b, t[:, None], i[:, None])
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(NotImplementedError, match="power of two"):
+        pallas_kernels.append_rows((jnp.zeros((1, 4, 3, 16)),), (jnp.zeros((1, 3, 16)),),
+                                   (jnp.zeros((1,), jnp.int32),), interpret=True)
+
+
+@pytest.mark.parametrize("block_sel", [16, 64])
+def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel):
+    """q = 0: every visible compressed block gets the same probability, so interior selection
+    blocks tie; the fused selection picks the lowest ones, as `top_blocks`, whatever the
+    blocks per program."""
+    from nsa_jax.xla.select_blocks import top_blocks
+
+    B, H, G, l, d, l_sel, n_sel, n_blocks, C = 2, 4, 2, 8, 4, 16, 5, 100, 400
+    x = _inputs(B, H, G, 16, 16, C, 64, 32, jnp.float32, seed=9)
+    q = jnp.zeros_like(x["q"])
+    t = jnp.asarray([n_blocks * l_sel - 1, 40 * l_sel + 7], jnp.int32)
+    kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
+              n_blocks=n_blocks, scale=0.3)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel)
+    _, _, idx = D.decode_compressed_select(q, x["k_cmp"], x["v_cmp"], t, interpret=True,
+                                           block_sizes=tiles, **kw)
+    _, _, p_group = D.decode_compressed(q, x["k_cmp"], x["v_cmp"], t, cmp_block=l, cmp_stride=d,
+                                        scale=0.3, interpret=True)
+    cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1,
+                         n_local=2, window=l_sel)
+    want = np.asarray(top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg))
+    np.testing.assert_array_equal(np.asarray(idx), want)
+
+
+def test_decode_step_with_the_append_kernel_off_is_the_same_step():
+    """`DecodeBlockSizes(append_kernel=False)` sends the appends to XLA's scatters: the same
+    outputs and the same cache as the kernel's (interpret mode)."""
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 12, jnp.float32, seed=21)
+    _, cache = nsa_jax.prefill(params, x[:, :11], cfg, nsa_jax.init_cache(cfg, 2, 16))
+    outs = []
+    for on in (True, False):
+        options = {"pallas": PallasOptions(interpret=True,
+                                           decode_blocks=D.DecodeBlockSizes(append_kernel=on))}
+        outs.append(nsa_jax.decode_step(params, x[:, 11:12], cfg, cache, backend="pallas",
+                                        options=options))
+    (y_on, cache_on, _), (y_off, cache_off, _) = outs
+    np.testing.assert_array_equal(np.asarray(y_on), np.asarray(y_off))
+    for a, b in zip(cache_on, cache_off):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_top_n_rejects_bad_arguments():
     import pallas_kernels
 
@@ -259,6 +387,8 @@ def test_decode_step_pallas_options_and_errors():
     assert bool(jnp.all(jnp.isfinite(y)))
     with pytest.raises(ValueError, match="block_cmp"):
         D.DecodeBlockSizes(block_cmp=48)
+    with pytest.raises(ValueError, match="topn_elements"):
+        D.DecodeBlockSizes(topn_elements=1000)
     q = jnp.zeros((1, 4, 16))
     with pytest.raises(ValueError, match="k_cmp"):
         D.decode_compressed(q, jnp.zeros((1, 5, 2, 8)), jnp.zeros((1, 5, 2, 8)), 3, cmp_block=2,
@@ -269,8 +399,11 @@ def test_decode_step_pallas_options_and_errors():
 
 
 def test_lowers_to_triton_on_any_host():
-    """Both decode kernels lower through the Pallas Triton lowering at the paper's decode sizes
-    (B 32, 64k cache, not a multiple of any tile; d_k 192 takes the padded path)."""
+    """The decode kernels (with their split combines, the selection and its top-n, the appends)
+    lower through the Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a
+    multiple of any tile; d_k 192 takes the padded path)."""
+    import pallas_kernels
+
     shape = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
     B, H, G, dv, L, ring = 32, 64, 4, 128, 65600, 512
@@ -285,7 +418,25 @@ def test_lowers_to_triton_on_any_host():
                 shape((B, ring, G, dv), bf), shape((B, G, 16), jnp.int32),
                 shape((), jnp.int32))
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("xla.gpu.triton") == 2
+        assert text.count("xla.gpu.triton") == 4      # two kernels, each with its combine
+
+        def fused(q, kc, vc, t):
+            return D.decode_compressed_select(q, kc, vc, t, cmp_block=32, cmp_stride=16,
+                                              sel_block=64, n_sel=16, n_init=1, n_local=2,
+                                              n_blocks=L // 64 + 1, scale=0.1)
+        text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 4      # compressed, combine, selection, top-n
+
+    def append(*buffers_and_tokens):
+        buffers, tokens = buffers_and_tokens[:6], buffers_and_tokens[6:]
+        rows = jnp.arange(B, dtype=jnp.int32)
+        return pallas_kernels.append_rows(buffers, tokens, (rows,) * 6)
+    bufs = [shape((B, n, G, 128), bf) for n in (L, L, ring, ring, 32, 32)]
+    toks = [shape((B, G, 128), bf)] * 6
+    text = jax.jit(append, donate_argnums=tuple(range(6))).trace(*bufs, *toks).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
 
 
 def test_ragged_decode_pallas_matches_each_sequence():

@@ -5,7 +5,8 @@ Runtime knobs live in `XlaOptions`.
 """
 from nsa_jax.xla.compress import compress_blocks, compress_kv
 from nsa_jax.xla.compressed_attention import compressed_attention
-from nsa_jax.xla.decode import (decode_compressed_attention, decode_select_blocks,
+from nsa_jax.xla.decode import (decode_append, decode_compressed_attention,
+                                decode_compressed_select, decode_select_blocks,
                                 decode_selected_window_attention)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 from nsa_jax.xla.select_blocks import select_blocks, top_blocks
@@ -18,7 +19,9 @@ __all__ = [
     "compress_blocks",
     "compress_kv",
     "compressed_attention",
+    "decode_append",
     "decode_compressed_attention",
+    "decode_compressed_select",
     "decode_select_blocks",
     "decode_selected_window_attention",
     "select_blocks",

@@ -23,6 +23,21 @@ from nsa_jax.xla.selected_attention import selected_chunk
 from nsa_jax.xla.sliding_window import window_chunk
 
 
+def put_rows(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
+    """buf `[B, S, ...]` with `values [B, T, ...]` written at `index [B, T]`; indices `>= S`
+    (the tokens not to write) are dropped, so a donated buffer is updated in place."""
+    rows = jnp.arange(buf.shape[0], dtype=jnp.int32)[:, None]
+    return buf.at[rows, index].set(values.astype(buf.dtype), mode="drop")
+
+
+def decode_append(buffers: tuple, tokens: tuple, index: tuple, cfg: NSAConfig, *,
+                  positions: jax.Array, options: Optional[XlaOptions] = None) -> tuple:
+    """The cache appends of a step or a chunk: each `buffers[i] [B, S_i, G, d]` with
+    `tokens[i] [B, T, G, d]` written at `index[i] [B, T]` (`>= S_i`: not written)."""
+    del cfg, positions, options
+    return tuple(put_rows(b, v, i) for b, v, i in zip(buffers, tokens, index))
+
+
 def decode_compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array,
                                 cfg: NSAConfig, *, positions: jax.Array, scale: float,
                                 options: Optional[XlaOptions] = None):
@@ -48,6 +63,18 @@ def decode_select_blocks(p_group: jax.Array, cfg: NSAConfig, *, positions: jax.A
     overlap = jnp.asarray(overlap_weights(cfg, p_group.shape[-1], n_sel_blocks))
     scores = einsum("...gc,cs->...gs", p_group, overlap.astype(p_group.dtype), p_group.dtype)
     return top_blocks(scores, positions[..., None], cfg)
+
+
+def decode_compressed_select(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig,
+                             *, positions: jax.Array, scale: float, n_sel_blocks: int,
+                             options: Optional[XlaOptions] = None):
+    """`decode_compressed_attention` then `decode_select_blocks`: `(o_cmp [B, Q, H, d_v],
+    block_idx [B, Q, G, n_sel])`. The entry a backend may fuse (Pallas: no `[B, Q, G, C]`
+    probabilities in between)."""
+    o_cmp, p_group = decode_compressed_attention(q, k_cmp, v_cmp, cfg, positions=positions,
+                                                 scale=scale, options=options)
+    return o_cmp, decode_select_blocks(p_group, cfg, positions=positions,
+                                       n_sel_blocks=n_sel_blocks, options=options)
 
 
 def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.Array,

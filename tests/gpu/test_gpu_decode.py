@@ -73,3 +73,38 @@ def test_decode_ranking_equals_the_sort_on_the_gpu():
         got = jax.jit(lambda s, t: pallas_kernels.top_n(rank_scores(s, t, cfg), cfg.n_sel))(
             scores, t)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("B", [1, 32])
+def test_fused_selection_paper_sizes(B):
+    """`decode_compressed_select` (Triton) at paper sizes over a 64k cache, bf16: o and lse as
+    `decode_compressed`'s, and the blocks of the unfused path (probabilities, `band_scores`,
+    `top_blocks`) except where two blocks' scores tie to rounding (the head sums run in another
+    order): there the swapped blocks' scores agree to 1e-5."""
+    import jax
+
+    from nsa_jax.xla.select_blocks import band_scores, top_blocks
+    from test_pallas_decode import _inputs
+    from pallas_kernels import decode as D
+
+    cfg = NSAConfig.paper(d_k=128)
+    H, G, dk, dv, L = 64, 4, 128, 128, 65536 + 64
+    C, n_blocks = (L - 32) // 16 + 1, L // 64 + 1
+    x = _inputs(B, H, G, dk, dv, C, 64, 64, jnp.bfloat16, seed=B)
+    t = jnp.asarray(L - 1 - 977 * np.arange(B), jnp.int32)
+    kw = dict(cmp_block=32, cmp_stride=16, scale=0.088)
+    o, lse, idx = jax.jit(lambda q, k, v, t: D.decode_compressed_select(
+        q, k, v, t, sel_block=64, n_sel=16, n_init=1, n_local=2, n_blocks=n_blocks, **kw))(
+        x["q"], x["k_cmp"], x["v_cmp"], t)
+    o_u, lse_u, p = jax.jit(lambda q, k, v, t: D.decode_compressed(q, k, v, t, **kw))(
+        x["q"], x["k_cmp"], x["v_cmp"], t)
+    assert rel_err(o, o_u) <= 1e-6 and rel_err(lse, lse_u) <= 1e-6
+    score = band_scores(p, cfg, n_blocks)
+    want = np.asarray(top_blocks(score, t[:, None], cfg))
+    got, score = np.asarray(idx), np.asarray(score)
+    for b in range(B):
+        for g in range(G):
+            extra = set(got[b, g]) ^ set(want[b, g])
+            if extra:
+                values = score[b, g, sorted(i for i in extra if i >= 0)]
+                assert np.ptp(values) <= 1e-5 * np.abs(values).max(), (b, g, extra)
