@@ -44,6 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+if __package__ in (None, ""):
+    # Run as a file (`python examples/train_recall.py`): the repository's own packages (bench)
+    # must import without PYTHONPATH=. too, or the outputs fail after the training.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import nsa_jax
 from nsa_jax import NSAConfig
 

@@ -219,3 +219,20 @@ def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
     assert float(mults["wg"]) == float(mults["bg"]) == 0.0 and float(mults["wq"]) == 1.0
     # The script pairs NSA with the full model's draw unless told otherwise.
     assert train_recall.parse_args(["--out", "x"]).init == "paired"
+
+
+def test_runs_as_a_file_without_pythonpath(tmp_path):
+    """`python examples/train_recall.py` from a directory where the repository is not on the
+    path writes its outputs (they import bench.common, which once failed after the training)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "train_recall.py")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, script, "--preset", "smoke", "--tasks", "needle", "--models", "full",
+         "--steps", "2", "--eval_every", "2", "--gen_tokens", "0", "--out", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert os.path.getsize(tmp_path / "summary.csv") > 0
