@@ -79,20 +79,16 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sel_fwd_kernel(
-    Q, K, V, IDX, SEQ_START, O, LSE,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kg, stride_kd,
-    stride_vb, stride_vt, stride_vg, stride_vd,
-    stride_ib, stride_it, stride_ig, stride_is,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_lb, stride_lt, stride_lh,
-    G, scale,
-    HPG: tl.constexpr, N_SEL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    D_K: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
+def _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+                  HPG: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
+    """The start of `_sel_fwd_kernel` and `_sel_bwd_dq_kernel`, program (t, b*G + g): the heads
+    of group g are the rows of the tile.
+
+    Returns (t, g, t64, b64, head: int64 [BLOCK_H] head numbers, offs_n, offs_dk, offs_dv,
+    mask_h, mask_dk, mask_dv, q: [BLOCK_H, BLOCK_DK] query tile (0 in padding), seq_start: first
+    token of t's sequence, 0 when not VARLEN)."""
     t = tl.program_id(0)
     b = tl.program_id(1) // G
     g = tl.program_id(1) % G
@@ -114,6 +110,61 @@ def _sel_fwd_kernel(
     seq_start = 0
     if VARLEN:
         seq_start = tl.load(SEQ_START + t)
+    return (t, g, t64, b64, head, offs_n, offs_dk, offs_dv, mask_h, mask_dk, mask_dv, q,
+            seq_start)
+
+
+@triton.jit
+def _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE: tl.constexpr):
+    """Returns the first token of the `s`-th listed block `j` (local to the sequence; a padding
+    j < 0 gives a start before seq_start)."""
+    j = tl.load(idx_base + s * stride_is)
+    blk_start = seq_start + j * BLOCK_SIZE
+    return blk_start
+
+
+@triton.jit
+def _load_key_rows(base, kpos64, kmask, offs_d, mask_d, stride_t, stride_d):
+    """Returns rows `kpos64` of the [T, d] key or value matrix at `base` (one batch, one group):
+    [BLOCK_N, BLOCK_D], 0 where `kmask` or `mask_d` is off."""
+    return tl.load(base + kpos64[:, None] * stride_t + offs_d[None, :] * stride_d,
+                   mask=kmask[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk, mask_dk,
+                  stride_kt, stride_kd, BLOCK_SIZE: tl.constexpr):
+    """Keys `c + offs_n` of the listed block starting at `blk_start`, as query `t` sees them.
+
+    Returns (kmask [BLOCK_N]: the keys in the block, in t's sequence and `<= t`; kpos64 int64
+    [BLOCK_N]: their token positions; k [BLOCK_N, BLOCK_DK], 0 where masked)."""
+    kpos = blk_start + c + offs_n
+    # Padding (j < 0) puts every key before seq_start; with `kpos <= t` this also keeps
+    # each load inside the tensor, whatever block_idx holds.
+    kmask = (c + offs_n < BLOCK_SIZE) & (kpos >= seq_start) & (kpos <= t)
+    kpos64 = kpos.to(tl.int64)
+    k = _load_key_rows(k_base, kpos64, kmask, offs_dk, mask_dk, stride_kt, stride_kd)
+    return kmask, kpos64, k
+
+
+@triton.jit
+def _sel_fwd_kernel(
+    Q, K, V, IDX, SEQ_START, O, LSE,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kg, stride_kd,
+    stride_vb, stride_vt, stride_vg, stride_vd,
+    stride_ib, stride_it, stride_ig, stride_is,
+    stride_ob, stride_ot, stride_oh, stride_od,
+    stride_lb, stride_lt, stride_lh,
+    G, scale,
+    HPG: tl.constexpr, N_SEL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    (t, g, t64, b64, head, offs_n, offs_dk, offs_dv, mask_h, mask_dk, mask_dv, q,
+     seq_start) = _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+                                HPG, D_K, D_V, BLOCK_H, BLOCK_N, BLOCK_DK, BLOCK_DV, VARLEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -122,16 +173,10 @@ def _sel_fwd_kernel(
     k_base = K + b64 * stride_kb + g * stride_kg
     v_base = V + b64 * stride_vb + g * stride_vg
     for s in range(N_SEL):
-        j = tl.load(idx_base + s * stride_is)
-        blk_start = seq_start + j * BLOCK_SIZE
+        blk_start = _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
-            kpos = blk_start + c + offs_n
-            # Padding (j < 0) puts every key before seq_start; with `kpos <= t` this also keeps
-            # each load inside the tensor, whatever block_idx holds.
-            kmask = (c + offs_n < BLOCK_SIZE) & (kpos >= seq_start) & (kpos <= t)
-            kpos64 = kpos.to(tl.int64)
-            k = tl.load(k_base + kpos64[:, None] * stride_kt + offs_dk[None, :] * stride_kd,
-                        mask=kmask[:, None] & mask_dk[None, :], other=0.0)
+            kmask, kpos64, k = _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk,
+                                             mask_dk, stride_kt, stride_kd, BLOCK_SIZE)
             scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
             scores = tl.where(kmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -140,8 +185,7 @@ def _sel_fwd_kernel(
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + kpos64[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                        mask=kmask[:, None] & mask_dv[None, :], other=0.0)
+            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_vt, stride_vd)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
@@ -170,24 +214,9 @@ def _sel_bwd_dq_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    b = tl.program_id(1) // G
-    g = tl.program_id(1) % G
-    t64 = t.to(tl.int64)
-    b64 = b.to(tl.int64)
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dk = tl.arange(0, BLOCK_DK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_h = offs_h < HPG
-    mask_dk = offs_dk < D_K
-    mask_dv = offs_dv < D_V
-    head = (g * HPG + offs_h).to(tl.int64)
-
-    q = tl.load(Q + b64 * stride_qb + t64 * stride_qt + head[:, None] * stride_qh
-                + offs_dk[None, :] * stride_qd,
-                mask=mask_h[:, None] & mask_dk[None, :], other=0.0)
+    (t, g, t64, b64, head, offs_n, offs_dk, offs_dv, mask_h, mask_dk, mask_dv, q,
+     seq_start) = _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+                                HPG, D_K, D_V, BLOCK_H, BLOCK_N, BLOCK_DK, BLOCK_DV, VARLEN)
     do = tl.load(DO + b64 * stride_dob + t64 * stride_dot + head[:, None] * stride_doh
                  + offs_dv[None, :] * stride_dod,
                  mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
@@ -195,25 +224,17 @@ def _sel_bwd_dq_kernel(
     lse = tl.load(LSE + row, mask=mask_h, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # an empty row has p = 0 everywhere
     delta = tl.load(DELTA + row, mask=mask_h, other=0.0)
-    seq_start = 0
-    if VARLEN:
-        seq_start = tl.load(SEQ_START + t)
 
     dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
     idx_base = IDX + b64 * stride_ib + t64 * stride_it + g * stride_ig
     k_base = K + b64 * stride_kb + g * stride_kg
     v_base = V + b64 * stride_vb + g * stride_vg
     for s in range(N_SEL):
-        j = tl.load(idx_base + s * stride_is)
-        blk_start = seq_start + j * BLOCK_SIZE
+        blk_start = _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
-            kpos = blk_start + c + offs_n
-            kmask = (c + offs_n < BLOCK_SIZE) & (kpos >= seq_start) & (kpos <= t)
-            kpos64 = kpos.to(tl.int64)
-            k = tl.load(k_base + kpos64[:, None] * stride_kt + offs_dk[None, :] * stride_kd,
-                        mask=kmask[:, None] & mask_dk[None, :], other=0.0)
-            v = tl.load(v_base + kpos64[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                        mask=kmask[:, None] & mask_dv[None, :], other=0.0)
+            kmask, kpos64, k = _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk,
+                                             mask_dk, stride_kt, stride_kd, BLOCK_SIZE)
+            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_vt, stride_vd)
             scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
             p = tl.where(kmask[None, :], tl.exp(scores - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
