@@ -8,6 +8,8 @@ An op exported here shadows the module of the same name as an attribute of the p
 (`pallas_kernels.compressed_attention` is the function): reach a module's other names with
 `from pallas_kernels.compressed_attention import ...`.
 """
+import types
+
 from pallas_kernels.compressed_attention import (
     BlockSizes as CompressedAttentionBlockSizes,
     compressed_attention,
@@ -38,26 +40,6 @@ from pallas_kernels.selected_attention import (
     selected_attention_stages,
 )
 
-__all__ = [
-    "CompressedAttentionBlockSizes",
-    "DecodeBlockSizes",
-    "SelectBlocksBlockSizes",
-    "SelectedAttentionBlockSizes",
-    "append_rows",
-    "compressed_attention",
-    "compressed_attention_reference",
-    "compressed_lse",
-    "decode_compressed",
-    "decode_compressed_reference",
-    "decode_compressed_select",
-    "decode_compressed_select_reference",
-    "decode_selected_window",
-    "decode_selected_window_reference",
-    "random_block_idx",
-    "select_blocks",
-    "select_blocks_reference",
-    "selected_attention",
-    "selected_attention_reference",
-    "selected_attention_stages",
-    "top_n",
-]
+# Every name imported above (the ops, their references and block-size classes), and no module.
+__all__ = sorted(name for name, value in list(globals().items())
+                 if not name.startswith("_") and not isinstance(value, types.ModuleType))
