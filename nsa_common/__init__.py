@@ -12,6 +12,7 @@ from nsa_common.layout import (
     num_admissible_cmp_blocks,
     num_cmp_blocks,
     num_sel_blocks,
+    overlap_by_offset,
     overlap_weights,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "num_admissible_cmp_blocks",
     "num_cmp_blocks",
     "num_sel_blocks",
+    "overlap_by_offset",
     "overlap_weights",
 ]

@@ -66,6 +66,17 @@ def overlap_weights(cfg: NSAConfig, n_cmp: int, n_sel_blocks: int) -> np.ndarray
     return (overlap / d).astype(np.float32)
 
 
+def overlap_by_offset(cfg) -> tuple:
+    """The nonzero weights of `overlap_weights` by slot offset: `((m, weight), ...)`, m
+    ascending, where selection block j weighs compressed block `j*r + m` (r = l_sel / d; m from
+    -(l/d - 1)). The same for every j: one column of the matrix, read far enough from block 0
+    that every earlier slot exists. `cfg` needs only cmp_block, cmp_stride and sel_block."""
+    r = cfg.sel_block // cfg.cmp_stride
+    j = -(-(cfg.cmp_block // cfg.cmp_stride) // r)
+    column = overlap_weights(cfg, (j + 1) * r, j + 1)[:, j]
+    return tuple((int(i) - j * r, float(column[i])) for i in np.flatnonzero(column))
+
+
 def decode_read_bound(cfg: NSAConfig, t):
     """The paper's per-step memory-access formula for the token at position t (0-based; an int
     or an integer array): `max(0, (t + 1 - l) // d + 1) + n_sel * l_sel + w` (Table 4: 5,632

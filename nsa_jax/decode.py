@@ -36,7 +36,7 @@ from nsa_common import (NSAConfig, cmp_admissible, num_admissible_cmp_blocks, nu
 from nsa_jax import checks, dispatch
 from nsa_jax.core import mix_branches
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
-                           kv_names, output, project)
+                           gate_values, gates_from_logits, kv_names, output, project)
 from nsa_jax.rope import apply_rope
 from nsa_jax.xla.decode import put_rows
 
@@ -410,12 +410,10 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
                                              backend, options)
-    if "gate_logits" in proj:  # prepared params: the gates came out of the projection GEMM
-        gates = jax.nn.sigmoid(proj["gate_logits"] + params["bg"]).reshape(
-            x_t.shape[0], 1, cfg.n_heads, 3)
-        y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win))
-    else:
-        y, gates = combine(params, x_t, cfg, o_cmp, o_sel, o_win)
+    # Prepared params: the gate logits came out of the projection GEMM.
+    gates = (gates_from_logits(params, proj["gate_logits"], cfg) if "gate_logits" in proj
+             else gate_values(params, x_t, cfg))
+    y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win))
     reads = step_reads(cfg, t, block_idx)
     aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     cache = cache._replace(lengths=t + new, overflow=cache.overflow | ~fits)

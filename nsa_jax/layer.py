@@ -125,8 +125,14 @@ def combine(params: Params, x: jax.Array, cfg: NSAConfig, o_cmp, o_sel, o_win):
 
 def gate_values(params: Params, x: jax.Array, cfg: NSAConfig) -> jax.Array:
     """Spec step 9's gates: x `[B, T, d_model]` -> sigmoid values `[B, T, H, 3]`."""
-    B, T, _ = x.shape
-    return jax.nn.sigmoid(dense(x, params["wg"]) + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+    return gates_from_logits(params, dense(x, params["wg"]), cfg)
+
+
+def gates_from_logits(params: Params, logits: jax.Array, cfg: NSAConfig) -> jax.Array:
+    """The gates of logits `x @ wg` `[B, T, 3H]` (decode computes them in its projection GEMM)
+    -> sigmoid values `[B, T, H, 3]`."""
+    B, T, _ = logits.shape
+    return jax.nn.sigmoid(logits + params["bg"]).reshape(B, T, cfg.n_heads, 3)
 
 
 def output(params: Params, x: jax.Array, cfg: NSAConfig, o: jax.Array) -> jax.Array:

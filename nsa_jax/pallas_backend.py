@@ -7,9 +7,9 @@ The kernels take plain hyperparameters (`cmp_block=`, `sel_block=`, ...) and kno
 XLA. Packed sequences are not supported by the kernels (registered with `packed=False`): they
 go to XLA too.
 
-Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select`, the compressed
-kernel and a selection kernel that reads its scores (head sums, overlap weights, forced blocks
-and the top-n in one pass), then one kernel for the selected and window branches. The
+Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select` (the compressed
+kernel, a selection kernel that turns its scores into the blocks' scores: head sums, overlap
+weights, forced blocks; the top-n kernel), then one kernel for the selected and window branches. The
 unfused entries stay registered (`decode_compressed_attention` alone; `decode_select_blocks`:
 `band_scores` in XLA and the top-n kernel). The kernels take one query per sequence over the
 cache's window ring; a chunk of queries (chunked prefill) goes to XLA.

@@ -1,7 +1,8 @@
-"""The running top-n of the selection kernels, in registers: shared by the prefill selection
-(`select_blocks`) and the decode selection (`decode`). Only max / min reductions, `where` and
-iota comparisons (argmax as the lowest index among the maxima), all of which the Triton lowering
-supports; the order is the spec's (higher score first, the lower index on equal scores)."""
+"""The top-n pieces of the selection kernels, in registers: the fused prefill selection's
+running top-n (`select_blocks`), and the ascending output of it and of the top-n kernel (which
+decode ranks with too). Only max / min reductions, `where` and iota comparisons (argmax as
+the lowest index among the maxima), all of which the Triton lowering supports; the order is the
+spec's (higher score first, the lower index on equal scores)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -65,5 +66,3 @@ def ascending(top_idx, n_sel: int):
     _, out = lax.fori_loop(0, n_sel, extract,
                            (top_idx, jnp.full(top_idx.shape, NO_BLOCK, jnp.int32)))
     return jnp.where(out >= NO_BLOCK, -1, out)
-
-

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from nsa_common import cmp_admissible, overlap_weights
+from nsa_common import cmp_admissible, overlap_by_offset, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
                                     dot, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
@@ -222,31 +222,27 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     ow_ref[...], lw_ref[...] = online_softmax_finish(carry)
 
 
-def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, cmp_block, cmp_stride, sel_block,
-                   n_cmp, n_blocks, n_init, n_local, score_offset, block_sel, contiguous):
+def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n_cmp, n_blocks,
+                   n_init, n_local, score_offset, block_sel, contiguous):
     """Grid (batch row, KV head, step). The decode selection scores of one query from the
     compressed kernel's scores: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
     heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
     score_offset + i, MASK where not admissible); value_ref [1, block_sel]: the scores of
     selection blocks `[k*block_sel, (k+1)*block_sel)` for step k, ranked after by `top_n`.
 
-    Selection block j weighs compressed slots `j*r + m` (r = l_sel / d, m from -(l/d - 1) to
-    r - 1) by their overlap / d (the weights of `nsa_common.overlap_weights`), each slot's
-    `2^(s - lse)` summed over the heads. `contiguous` (r a power of two): the slots m >= 0 of
-    the step's blocks are one contiguous `[h_pad, block_sel * r]` load, pooled by a reshape to
-    `[block_sel, r]`; the slots m < 0 (before each block) are one strided load per m. Otherwise
-    every m is a strided load. Forced blocks get +inf, blocks after t's (and NaN scores) -inf.
-    No running top-n here: with one query per program its rounds are serial (75 us at B 32,
-    64k on an H100, R39), while the top-n kernel ranks all rows at once."""
+    Selection block j weighs compressed slots `j*r + m` (r = l_sel / d) by `offsets`, the
+    `((m, weight), ...)` of `nsa_common.overlap_by_offset`, each slot's `2^(s - lse)` summed over
+    the heads. `contiguous` (r a power of two): the slots m >= 0 of the step's blocks are one
+    contiguous `[h_pad, block_sel * r]` load, pooled by a reshape to `[block_sel, r]`; the slots
+    m < 0 (before each block) are one strided load per m. Otherwise every m is a strided load.
+    Forced blocks get +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with
+    one query per program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the
+    top-n kernel ranks all rows at once."""
     t = t_ref[0]
     lse = lse_ref[...]
-    r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
     last = lax.div(t, jnp.int32(sel_block))
     k = pl.program_id(2)
     j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
-
-    def weight(m):
-        return (min(m * cmp_stride + cmp_block, sel_block) - max(m * cmp_stride, 0)) / cmp_stride
 
     def head_sum(s, slot):
         ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
@@ -259,15 +255,15 @@ def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, cmp_block, cmp_stride, s
         p = head_sum(s_ref[:, pl.ds(k * span + score_offset, span)], slot)       # [1, span]
         offset = lax.broadcasted_iota(jnp.int32, (1, r), 1)
         w = jnp.zeros((1, r), jnp.float32)
-        for m in range(r):
-            w = jnp.where(offset == m, weight(m), w)
+        for m, weight in offsets:
+            if m >= 0:
+                w = jnp.where(offset == m, weight, w)
         score = jnp.sum(p.reshape(block_sel, r) * w, axis=1).reshape(1, block_sel)
-    for m in range(-left, 0 if contiguous else r):
-        if weight(m) <= 0:
+    for m, weight in offsets:
+        if contiguous and m >= 0:
             continue
         start = k * (block_sel * r) + (score_offset + m)
-        score = score + weight(m) * head_sum(s_ref[:, pl.ds(start, block_sel, stride=r)],
-                                             j * r + m)
+        score = score + weight * head_sum(s_ref[:, pl.ds(start, block_sel, stride=r)], j * r + m)
     forced = (j < n_init) | (j > last - n_local)
     value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
     value_ref[...] = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
@@ -558,7 +554,8 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     # are all MASK).
     lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
                         value=jnp.inf)
-    kernel = functools.partial(_select_kernel, cmp_block=cmp_block, cmp_stride=cmp_stride,
+    geometry = SimpleNamespace(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block)
+    kernel = functools.partial(_select_kernel, offsets=overlap_by_offset(geometry), r=r,
                                sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
                                n_init=n_init, n_local=n_local, score_offset=left,
                                block_sel=block_sel,

@@ -291,7 +291,7 @@ def _make_scorer(q_ref, k_ref, lse_ref, first_query, *, layout: str, **geometry)
 
 
 def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, n_sel: int, **geometry):
-    """Scores and a running top-n in registers (`_insert_top`), one kernel."""
+    """Scores and a running top-n in registers (`_topn.insert_top`), one kernel."""
     q_tile = q_ref.shape[0]
     scorer = _make_scorer(q_ref, k_ref, lse_ref, pl.program_id(1) * q_tile, **geometry)
     block_sel = geometry["block_sel"]

@@ -6,7 +6,8 @@ from bruteforce import (bf_compressed_attention, bf_select_blocks, bf_selected_a
                         bf_sliding_window_attention)
 from nsa_common import (NSAConfig, cmp_admissible, cmp_block_end, completed_cmp_block,
                         completes_cmp_block, decode_read_bound, num_admissible_cmp_blocks,
-                        num_cmp_blocks, num_sel_blocks, overlap_weights)
+                        num_cmp_blocks, num_sel_blocks, overlap_by_offset,
+                        overlap_weights)
 
 
 def _causal_attention(q, k, v):
@@ -36,6 +37,22 @@ def test_overlap_weights_default_ratios():
 def test_overlap_weights_identity_when_blocks_coincide():
     cfg = NSAConfig(cmp_block=64, cmp_stride=64, sel_block=64)
     np.testing.assert_array_equal(overlap_weights(cfg, 5, 5), np.eye(5))
+
+
+@pytest.mark.parametrize("l, d, l_sel", [(32, 16, 64), (16, 16, 16), (12, 4, 24), (32, 8, 32)])
+def test_overlap_by_offset_is_every_column_of_overlap_weights(l, d, l_sel):
+    """Column j of the overlap matrix holds weight w at row j*r + m for each (m, w) of
+    `overlap_by_offset`, and zero elsewhere (rows before block 0 cut off)."""
+    cfg = NSAConfig(cmp_block=l, cmp_stride=d, sel_block=l_sel)
+    r, offsets = l_sel // d, overlap_by_offset(cfg)
+    weights = overlap_weights(cfg, 12 * r, 10)
+    for j in range(10):
+        want = np.zeros(12 * r, np.float32)
+        for m, w in offsets:
+            if j * r + m >= 0:
+                want[j * r + m] = w
+        np.testing.assert_array_equal(weights[:, j], want)
+    assert [m for m, _ in offsets] == sorted(m for m, _ in offsets)
 
 
 @pytest.mark.parametrize("T, expected", [(31, 0), (32, 1), (47, 1), (48, 2), (64, 3)])
