@@ -68,7 +68,9 @@ class DecodeBlockSizes:
     step merges their partial softmaxes. A small batch then still fills the GPU (one program
     per SM is 132 on an H100/H200; 2 waves by default); `target_programs=1` turns it off.
     block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
-    blocks scored per program, a power of two). topn_elements, num_warps_topn: the top-n kernel
+    blocks scored per program, a power of two; select_contiguous: read the slots inside the
+    blocks as one contiguous tile where l_sel / d is a power of two, not with a strided load per
+    slot offset; not yet measured on a GPU). topn_elements, num_warps_topn: the top-n kernel
     that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
     program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
     an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
@@ -86,6 +88,7 @@ class DecodeBlockSizes:
     max_splits: int = 64
     block_sel: int = 32
     num_warps_select: int = 4
+    select_contiguous: bool = True
     topn_elements: int = 1024
     num_warps_topn: int = 4
     append_kernel: bool = True
@@ -220,7 +223,7 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
 
 
 def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n_cmp, n_blocks,
-                   n_init, n_local, score_offset, block_sel):
+                   n_init, n_local, score_offset, block_sel, contiguous):
     """Grid (batch row, KV head, step). The decode selection scores of one query from the
     compressed kernel's scores: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
     heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
@@ -228,24 +231,39 @@ def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n
     selection blocks `[k*block_sel, (k+1)*block_sel)` for step k, ranked after by `top_n`.
 
     Selection block j weighs compressed slots `j*r + m` (r = l_sel / d) by `offsets`, the
-    `((m, weight), ...)` of `nsa_common.overlap_by_offset`: one strided load of the scores per
-    m, `2^(s - lse)` summed over the heads, weighted, added. Forced blocks get
-    +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with one query per
-    program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the top-n kernel
-    ranks all rows at once."""
+    `((m, weight), ...)` of `nsa_common.overlap_by_offset`, each slot's `2^(s - lse)` summed over
+    the heads. `contiguous` (r a power of two): the slots m >= 0 of the step's blocks are one
+    contiguous `[h_pad, block_sel * r]` load, pooled by a reshape to `[block_sel, r]`; the slots
+    m < 0 (before each block) are one strided load per m. Otherwise every m is a strided load.
+    Forced blocks get +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with
+    one query per program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the
+    top-n kernel ranks all rows at once."""
     t = t_ref[0]
     lse = lse_ref[...]
     last = lax.div(t, jnp.int32(sel_block))
     k = pl.program_id(2)
     j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
-    score = jnp.zeros((1, block_sel), jnp.float32)
-    for m, weight in offsets:
-        start = k * (block_sel * r) + (score_offset + m)
-        s = s_ref[:, pl.ds(start, block_sel, stride=r)]
-        slot = j * r + m
+
+    def head_sum(s, slot):
         ok = (slot >= 0) & (slot < n_cmp) & (s > 0.5 * MASK)
-        p = jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0)
-        score = score + weight * jnp.sum(p, axis=0, keepdims=True)
+        return jnp.sum(jnp.where(ok, jnp.exp2(s - lse[:, None]), 0.0), axis=0, keepdims=True)
+
+    score = jnp.zeros((1, block_sel), jnp.float32)
+    if contiguous:
+        span = block_sel * r
+        slot = k * span + lax.broadcasted_iota(jnp.int32, (1, span), 1)
+        p = head_sum(s_ref[:, pl.ds(k * span + score_offset, span)], slot)       # [1, span]
+        offset = lax.broadcasted_iota(jnp.int32, (1, r), 1)
+        w = jnp.zeros((1, r), jnp.float32)
+        for m, weight in offsets:
+            if m >= 0:
+                w = jnp.where(offset == m, weight, w)
+        score = jnp.sum(p.reshape(block_sel, r) * w, axis=1).reshape(1, block_sel)
+    for m, weight in offsets:
+        if contiguous and m >= 0:
+            continue
+        start = k * (block_sel * r) + (score_offset + m)
+        score = score + weight * head_sum(s_ref[:, pl.ds(start, block_sel, stride=r)], j * r + m)
     forced = (j < n_init) | (j > last - n_local)
     value = jnp.where(forced, jnp.inf, jnp.where(score == score, score, -jnp.inf))
     value_ref[...] = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
@@ -540,7 +558,8 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     kernel = functools.partial(_select_kernel, offsets=overlap_by_offset(geometry), r=r,
                                sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
                                n_init=n_init, n_local=n_local, score_offset=left,
-                               block_sel=block_sel)
+                               block_sel=block_sel,
+                               contiguous=bs.select_contiguous and r == next_pow2(r))
     value = pallas_call(
         kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
         interpret=interpret,

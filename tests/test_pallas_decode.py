@@ -226,13 +226,14 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     (8, 4, 16, 8, 5, 20),       # fewer blocks than n_sel
     (8, 4, 16, 4, 100, 400),    # 7 programs of 16 blocks per row
 ])
-@pytest.mark.parametrize("block_sel", [16, 64])
+@pytest.mark.parametrize("block_sel,contiguous", [(16, True), (64, True), (16, False)])
 def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n_blocks, C,
-                                                           block_sel):
+                                                           block_sel, contiguous):
     """The fused selection (interpret mode) picks the blocks of the unfused path
     (`decode_compressed`'s probabilities, `band_scores`, `top_blocks`) and of its plain-JAX
     reference, with the same o and lse, rows at different positions (one before any block);
-    selection programs of 16 and 64 blocks."""
+    selection programs of 16 and 64 blocks, the slots read as contiguous tiles (where l_sel / d
+    is a power of two) or with strided loads only."""
     from nsa_jax.xla.select_blocks import top_blocks
 
     B, H, G = 4, 8, 2
@@ -240,7 +241,7 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     t = jnp.asarray([n_blocks * l_sel - 1, l_sel * 2 + 3, l - 2, (C - 1) * d + l - 1], jnp.int32)
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
-    tiles = D.DecodeBlockSizes(block_sel=block_sel)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel, select_contiguous=contiguous)
     o, lse, idx = D.decode_compressed_select(x["q"], x["k_cmp"], x["v_cmp"], t, interpret=True,
                                              block_sizes=tiles, **kw)
     o_r, lse_r, idx_r = D.decode_compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
@@ -304,8 +305,8 @@ def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
                                    (jnp.zeros((1,), jnp.int32),), interpret=True)
 
 
-@pytest.mark.parametrize("block_sel", [16, 64])
-def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel):
+@pytest.mark.parametrize("block_sel,contiguous", [(16, True), (64, True), (16, False)])
+def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel, contiguous):
     """q = 0: every visible compressed block gets the same probability, so interior selection
     blocks tie; the fused selection picks the lowest ones, as `top_blocks`, whatever the
     blocks per program."""
@@ -317,7 +318,7 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel):
     t = jnp.asarray([n_blocks * l_sel - 1, 40 * l_sel + 7], jnp.int32)
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
-    tiles = D.DecodeBlockSizes(block_sel=block_sel)
+    tiles = D.DecodeBlockSizes(block_sel=block_sel, select_contiguous=contiguous)
     _, _, idx = D.decode_compressed_select(q, x["k_cmp"], x["v_cmp"], t, interpret=True,
                                            block_sizes=tiles, **kw)
     _, _, p_group = D.decode_compressed(q, x["k_cmp"], x["v_cmp"], t, cmp_block=l, cmp_stride=d,
