@@ -833,12 +833,27 @@ def build_runs(args) -> tuple[list[Run], Vocab]:
     return runs, vocab
 
 
+def check_lengths(runs, args) -> None:
+    """Every task must fit at every length the curriculum trains on, checked before the first
+    run (a task that does not fit would otherwise stop the script after the runs before it,
+    with none of their results written)."""
+    lengths = sorted({T for T, _ in parse_curriculum(args.curriculum, args.steps)} | {args.T})
+    for run in runs:
+        for T in lengths:
+            try:
+                pair_region(run.task, T, run.mc.nsa)
+            except ValueError as exc:
+                raise ValueError(f"--curriculum / --T: task {run.task.name!r} at T = {T}: "
+                                 f"{exc}") from None
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     for v in args.variants.split(","):
         if v not in VARIANTS:
             raise ValueError(f"variant ({v!r}) must be one of {sorted(VARIANTS)}")
     runs, vocab = build_runs(args)
+    check_lengths(runs, args)
     os.makedirs(args.out, exist_ok=True)
     lines = []
 

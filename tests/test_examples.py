@@ -236,3 +236,17 @@ def test_runs_as_a_file_without_pythonpath(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert os.path.getsize(tmp_path / "summary.csv") > 0
+
+
+def test_a_task_that_does_not_fit_a_curriculum_length_fails_before_training(tmp_path):
+    # The gpu preset's MQAR (32 pairs) has no room at T 256: the script says so before the
+    # needle runs (it used to train them, then stop at MQAR without writing anything).
+    args = ["--preset", "gpu", "--tasks", "needle,mqar", "--models", "full", "--steps", "10",
+            "--curriculum", "256:5", "--out", str(tmp_path)]
+    try:
+        train_recall.main(args)
+    except ValueError as exc:
+        assert "'mqar' at T = 256" in str(exc) and "--curriculum" in str(exc)
+    else:
+        raise AssertionError("no ValueError")
+    assert not os.listdir(tmp_path)
