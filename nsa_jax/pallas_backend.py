@@ -40,6 +40,8 @@ class PallasOptions:
     into cuDNN's causal square (`nsa_jax.xla.cudnn`). On an H100 at 64k it is faster than the
     Pallas kernel, forward and backward (bench/RESULTS.md). Its lse carries no gradient (the
     layer's lse only feeds the selection); False runs the Pallas kernel, whose lse does.
+    fa3: on that path, FlashAttention-3 instead of cuDNN where `flash_attn3_jax` is installed
+    on a Hopper or later GPU (`nsa_jax.xla.cudnn.fa3_takes`; faster on an H200, R45).
     """
 
     interpret: Optional[bool] = None
@@ -48,6 +50,7 @@ class PallasOptions:
     selected_blocks: Optional[kernels.SelectedAttentionBlockSizes] = None
     decode_blocks: Optional[kernels.DecodeBlockSizes] = None
     compressed_cudnn: bool = True
+    fa3: bool = True
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:
@@ -64,7 +67,9 @@ def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
     if (options.compressed_cudnn and not options.resolve_interpret()
             and cudnn.takes(q, k_cmp, v_cmp)):
         try:
-            o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale)
+            o, lse = cudnn.compressed_attention(
+                q, k_cmp, v_cmp, cfg, scale=scale,
+                attend=cudnn.fused_causal(options.fa3, q, k_cmp, v_cmp))
             return (o, lse) if return_lse else o
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # cuDNN refuses the shapes (or T < l): the kernel takes them

@@ -2,6 +2,9 @@
 
 On a CPU the fold runs with a float64 causal attention in place of cuDNN's, against the float64
 brute force and the chunked XLA path (its lse); on a GPU, cuDNN itself against the Pallas kernel.
+The FlashAttention-3 wrappers run on a CPU over float64 stand-ins of `flash_attn3_jax`'s forward
+and backward primitives (their layout: lse `[B, N, S]`, a `(left, right)` window), and on a GPU
+over the real package where it is installed.
 """
 import jax
 import jax.numpy as jnp
@@ -125,3 +128,137 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+
+
+def fa3_forward_f64(q, k, v, softmax_scale, is_causal, window_size):
+    """Stand-in of flash_attn3_jax's forward primitive: (o, lse `[B, N, S]`), causal, keys
+    `i - left .. i` when `window_size = (left, 0)` (left -1: unbounded), GQA."""
+    assert is_causal and window_size[1] in (0, -1)
+    S, N = q.shape[1], q.shape[2]
+    group = N // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k) * softmax_scale
+    i, j = np.arange(S)[:, None], np.arange(S)[None]
+    allowed = (j <= i) & ((window_size[0] < 0) | (j >= i - window_size[0]))
+    s = jnp.where(allowed, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v), lse
+
+
+def fa3_backward_f64(do, q, k, v, out, lse, softmax_scale, is_causal, window_size):
+    _, pullback = jax.vjp(lambda q, k, v: fa3_forward_f64(q, k, v, softmax_scale, is_causal,
+                                                          window_size)[0], q, k, v)
+    return pullback(do)
+
+
+@pytest.fixture
+def fa3_f64(monkeypatch):
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward_f64, fa3_backward_f64))
+
+
+def test_fa3_compressed_fold_matches_chunked_path(x64, fa3_f64):
+    """The compressed fold on the FA-3 wrapper: o, lse (laid out `[B, T, H]`, no gradient) and
+    gradients against the chunked XLA path."""
+    cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(3), 2, 45, 4, 2, 8, 6, cfg, jnp.float64)
+    do = jax.random.normal(jax.random.PRNGKey(4), (2, 45, 4, 6), jnp.float64)
+
+    def run(fn):
+        (o, lse), pullback = jax.vjp(fn, q, k_cmp, v_cmp)
+        return (o, lse, *pullback((do, jnp.ones_like(lse))))  # lse's cotangent goes nowhere
+
+    got = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=0.3,
+                                                          attend=cudnn.fa3_causal_attention))
+    want = run(lambda q, k, v: xla_compressed_attention(
+        q, k, v, cfg, scale=0.3, return_lse=True, options=XlaOptions(compressed_cudnn=False)))
+    got_lse, want_lse = got[1][:, 7:], want[1][:, 7:]
+    assert np.all(np.isneginf(got[1][:, :7]))
+    assert rel_err(got_lse, want_lse) <= 1e-12
+    want_no_lse_grad = jax.vjp(lambda q, k, v: xla_compressed_attention(
+        q, k, v, cfg, scale=0.3, options=XlaOptions(compressed_cudnn=False)), q, k_cmp,
+        v_cmp)[1](do)
+    for name, g, w in zip(("o", "dq", "dk", "dv"), (got[0], *got[2:]),
+                          (want[0], *want_no_lse_grad)):
+        assert rel_err(g, w) <= 1e-12, name
+
+
+@pytest.mark.parametrize("T,w,d_v", [(40, 8, 8), (23, 30, 4)])
+def test_fa3_window_matches_banded_path(x64, fa3_f64, T, w, d_v):
+    """The window on the FA-3 wrapper (v zero-padded to d_k, a window longer than T) against
+    the banded XLA path: output and gradients."""
+    from nsa_jax.xla.sliding_window import sliding_window_attention
+
+    key = jax.random.PRNGKey(T)
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (2, T, 4, 8), jnp.float64)
+    k = jax.random.normal(kk, (2, T, 2, 8), jnp.float64)
+    v = jax.random.normal(kv, (2, T, 2, d_v), jnp.float64)
+    do = jax.random.normal(kd, (2, T, 4, d_v), jnp.float64)
+
+    def run(fn):
+        o, pullback = jax.vjp(fn, q, k, v)
+        return (o, *pullback(do))
+
+    got = run(lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=0.4))
+    want = run(lambda q, k, v: sliding_window_attention(
+        q, k, v, window=w, scale=0.4, options=XlaOptions(window_cudnn=False)))
+    for name, g, want_ in zip(("o", "dq", "dk", "dv"), got, want):
+        assert g.shape == want_.shape, name
+        assert rel_err(g, want_) <= 1e-12, name
+
+
+def test_fa3_needs_the_package_and_a_hopper_gpu(monkeypatch):
+    x = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: None)
+    assert not cudnn.fa3_takes(x, x, x)
+    assert cudnn.fused_causal(True, x, x, x) is cudnn.causal_attention
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward_f64, fa3_backward_f64))
+    on_hopper = cudnn.takes(x, x, x) and cudnn.max_head_dim() == 256
+    assert cudnn.fa3_takes(x, x, x) == on_hopper
+    assert cudnn.fused_causal(False, x, x, x) is cudnn.causal_attention
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("d_k,d_v", [(128, 128), (192, 128)])
+def test_gpu_fa3_matches_cudnn(d_k, d_v):
+    """FlashAttention-3 (where installed) against cuDNN: the folded compressed branch (o, lse,
+    gradients) and the window, bf16, the layer's shapes."""
+    q0 = jnp.zeros((1, 8, 2, d_k), jnp.bfloat16)
+    if not cudnn.fa3_takes(q0, q0, q0):
+        pytest.skip("flash_attn3_jax not installed (or not a Hopper GPU)")
+    from nsa_jax.xla.sliding_window import sliding_window_attention
+
+    cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
+    B, T, H, G = 1, 4096, 16, 2
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(7), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    do = jax.random.normal(jax.random.PRNGKey(8), (B, T, H, d_v), jnp.bfloat16)
+    scale = d_k ** -0.5
+
+    def run(fn, *args):
+        out, pullback = jax.vjp(fn, *args)
+        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
+        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+
+    def close(got, want, names):
+        for name, g, w in zip(names, got, want):
+            assert g.shape == w.shape, name
+            assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+
+    l = cfg.cmp_block
+    got = run(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale, attend=cudnn.fa3_causal_attention), q, k_cmp, v_cmp)
+    want = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale),
+               q, k_cmp, v_cmp)
+    assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
+    close((got[0], got[1][:, l - 1:], *got[2:]), (want[0], want[1][:, l - 1:], *want[2:]),
+          ("o", "lse", "dq", "dk", "dv"))
+    k, v = k_cmp[:, :1].repeat(T, 1), v_cmp[:, :1].repeat(T, 1)
+    k = k + jax.random.normal(jax.random.PRNGKey(9), k.shape, k.dtype)
+    v = v + jax.random.normal(jax.random.PRNGKey(10), v.shape, v.dtype)
+    for w in (512, 100):
+        got = run(lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=scale),
+                  q, k, v)
+        want = run(lambda q, k, v: sliding_window_attention(
+            q, k, v, window=w, scale=scale, options=XlaOptions(fa3=False)), q, k, v)
+        close(got, want, ("o", "dq", "dk", "dv"))

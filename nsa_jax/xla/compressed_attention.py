@@ -49,7 +49,9 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
     options = options or DEFAULT_OPTIONS
     if options.compressed_cudnn and segments is None and cudnn.takes(q, k_cmp, v_cmp):
         try:
-            o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale)
+            o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale,
+                                                attend=cudnn.fused_causal(options.fa3, q, k_cmp,
+                                                                          v_cmp))
             return (o, lse) if return_lse else o
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # cuDNN refuses the shapes (or T < l): the chunked path below is exact too

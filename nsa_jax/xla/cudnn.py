@@ -9,8 +9,16 @@ with the chunk's `d` tokens folded into the head axis, `q` becomes `[B, C, G * d
 against the `C` compressed keys `[B, C, G, d_k]`, and the mask is the causal one of a `C x C`
 square (GQA: each KV head serves `d * h` query "heads"). The queries `t < l - 1` see no block:
 `o = 0`, `lse = -inf`, as the kernels give.
+
+FlashAttention-3 (`flash_attn3_jax`, optional, Hopper and later) takes the same two forms where
+it is installed: `fa3_takes`, `fa3_window_attention`, `fa3_causal_attention` (the `fa3` option
+of `XlaOptions` and `PallasOptions`, on by default). On an H200 it ran the 64k window branch in
+2.81 / 12.32 ms (cuDNN 3.25 / 14.12) and the folded compressed branch in 8.10 / 29.34 ms
+(cuDNN 8.33 / 33.57), forward / forward+backward (bench/RESULTS.md, R45).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +45,72 @@ def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     return (jax.default_backend() == "gpu" and q.dtype in CUDNN_DTYPES
             and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= max_head_dim())
+
+
+@functools.lru_cache(maxsize=None)
+def _fa3_ops():
+    """(forward, backward) of flash_attn3_jax's attention primitives, or None where the package
+    (or this layout of it: the forward that also returns lse) is not installed."""
+    try:
+        from flash_attn3_jax import flash as fa3
+        return fa3._flash_mha_fwd, fa3._flash_mha_bwd
+    except (ImportError, AttributeError):
+        return None
+
+
+def fa3_takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether FlashAttention-3 can take these arrays: `takes` on a Hopper or later GPU, with
+    `flash_attn3_jax` installed."""
+    return takes(q, k, v) and max_head_dim() == _MAX_HEAD_DIM_SM90 and _fa3_ops() is not None
+
+
+def _fa3_forward(q, k, v, scale, window):
+    o, lse = _fa3_ops()[0](q, k, v, softmax_scale=scale, is_causal=True, window_size=window)
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fa3_attention(q, k, v, scale, window):
+    return _fa3_forward(q, k, v, scale, window)
+
+
+def _fa3_attention_fwd(q, k, v, scale, window):
+    o, lse = _fa3_forward(q, k, v, scale, window)
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _fa3_attention_bwd(scale, window, residuals, cotangents):
+    q, k, v, o, lse = residuals
+    do, _ = cotangents  # lse carries no gradient (its callers stop it)
+    dq, dk, dv = _fa3_ops()[1](do.astype(o.dtype), q, k, v, o, lse, softmax_scale=scale,
+                               is_causal=True, window_size=window)
+    return dq, dk, dv
+
+
+_fa3_attention.defvjp(_fa3_attention_fwd, _fa3_attention_bwd)
+
+
+def fa3_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float):
+    """FlashAttention-3's causal attention with the signature of `causal_attention`: q
+    `[B, S, N, d]`, k / v `[B, S, N_kv, d]` (one head size) -> (o, lse `[B, S, N]` float32);
+    the lse carries no gradient. The caller checks `fa3_takes`."""
+    o, lse = _fa3_attention(q, k, v, float(scale), (-1, -1))
+    return o, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
+
+
+def fa3_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int,
+                         scale: float) -> jax.Array:
+    """The sliding window on FlashAttention-3: query t attends keys `t - w + 1 .. t`. q
+    `[B, T, H, d_k]`, k `[B, T, G, d_k]`, v `[B, T, G, d_v <= d_k]` -> `[B, T, H, d_v]`.
+    The caller checks `fa3_takes`."""
+    o, _ = _fa3_attention(q, k, pad_v(v, q.shape[-1]), float(scale), (window - 1, 0))
+    return o[..., :v.shape[-1]]
+
+
+def fused_causal(fa3: bool, q: jax.Array, k: jax.Array, v: jax.Array):
+    """The causal attention the compressed branch's folded form runs on: FlashAttention-3 where
+    `fa3` is asked for and `fa3_takes` the arrays, else cuDNN."""
+    return fa3_causal_attention if fa3 and fa3_takes(q, k, v) else causal_attention
 
 
 def pad_v(v: jax.Array, d_k: int) -> jax.Array:

@@ -20,6 +20,9 @@ class XlaOptions:
     (bf16 / fp16, d_v <= d_k, no packed sequences); otherwise the chunked banded path runs.
     `compressed_cudnn`: the same for the compressed branch, as cuDNN's causal attention over
     the queries folded in chunks of `d` (`nsa_jax.xla.cudnn`); its lse carries no gradient.
+    `fa3`: where one of those two cuDNN paths would run and `flash_attn3_jax` is installed on a
+    Hopper or later GPU, FlashAttention-3 runs it instead (the same result; faster on an H200,
+    bench/RESULTS.md R45). Nothing changes where the package is absent.
     """
 
     compressed_q_chunk: int = 128
@@ -28,6 +31,7 @@ class XlaOptions:
     window_q_chunk: int = 128
     window_cudnn: bool = True
     compressed_cudnn: bool = True
+    fa3: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

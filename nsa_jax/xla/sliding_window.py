@@ -43,11 +43,14 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window
 
     Each chunk of queries `[s, s + Q)` attends only the band `[s - w + 1, s + Q)` of keys, so the
     scores are `[B, Q, H, Q + w - 1]` and the work is O(T * w), exactly. On a GPU with cuDNN-able
-    shapes the fused `jax.nn.dot_product_attention` runs instead (flash-style, same result).
+    shapes the fused `jax.nn.dot_product_attention` runs instead (flash-style, same result), or
+    FlashAttention-3 where `flash_attn3_jax` is installed (`XlaOptions.fa3`).
     """
     options = options or DEFAULT_OPTIONS
     B, T = q.shape[:2]
     if _cudnn_applies(q, k, v, segments, options):
+        if options.fa3 and cudnn.fa3_takes(q, k, v):
+            return cudnn.fa3_window_attention(q, k, v, window=window, scale=scale)
         try:
             return jax.nn.dot_product_attention(
                 q, k, cudnn.pad_v(v, q.shape[-1]), scale=scale, is_causal=True,
