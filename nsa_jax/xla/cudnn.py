@@ -58,10 +58,14 @@ def _fa3_ops():
         return None
 
 
+_FA3_MAX_HEAD_DIM = 128  # flash_attn3_jax 0.2.3's build: "head dimension at most 128" (R46)
+
+
 def fa3_takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Whether FlashAttention-3 can take these arrays: `takes` on a Hopper or later GPU, with
-    `flash_attn3_jax` installed."""
-    return takes(q, k, v) and max_head_dim() == _MAX_HEAD_DIM_SM90 and _fa3_ops() is not None
+    """Whether FlashAttention-3 can take these arrays: `takes` on a Hopper or later GPU with
+    `flash_attn3_jax` installed, head size <= 128 (the paper's d_k = 192 stays on cuDNN)."""
+    return (takes(q, k, v) and q.shape[-1] <= _FA3_MAX_HEAD_DIM
+            and max_head_dim() == _MAX_HEAD_DIM_SM90 and _fa3_ops() is not None)
 
 
 def _fa3_forward(q, k, v, scale, window):
