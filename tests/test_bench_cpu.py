@@ -399,3 +399,16 @@ def test_git_commit_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert common.git_commit() == sha + "-dirty"
     monkeypatch.setenv("COMMIT", "given")
     assert common.git_commit() == "given"
+
+
+def test_fused_engines_cpu_writes_skip_rows(tmp_path, cpu_env):
+    from bench import bench_fused_engines
+
+    rows = bench_fused_engines.main(["--device", "cpu", "--S_list", "1k,2k", "--out",
+                                     str(tmp_path), "--no_progress"])
+    assert [r["S"] for r in rows] == [1024, 2048]
+    assert all(r["status"].startswith("skip") for r in rows)
+    header = (tmp_path / "fused_engines.csv").read_text().splitlines()[0]
+    assert header == ",".join(bench_fused_engines.COLUMNS)
+    with pytest.raises(ValueError, match="--S_list"):
+        bench_fused_engines.main(["--device", "cpu", "--S_list", "x", "--out", str(tmp_path)])
