@@ -185,10 +185,19 @@ def _append_tokens(cache: DecodeCache, proj: dict, pos, new, cfg: NSAConfig, bac
     sel_index = jnp.where(real, pos, cache.max_len)
     win, raw = ring_index(cache.k_win.shape[1]), ring_index(cache.k_raw.shape[1])
     names = ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw")
-    tokens = tuple(proj[n.replace("raw", "cmp")] for n in names)
+    sources = tuple(n.replace("raw", "cmp") for n in names)
+    tokens = tuple(proj[n] for n in sources)
     index = (sel_index, sel_index, win, win, raw, raw)
+    packed = None
+    if PACKED in proj and T == 1:
+        # The same tokens as columns of the projections, and the rows as one [B, 3] array:
+        # a kernel that reads them leaves the slices above unused (no kernels of their own).
+        arrays, columns = proj[PACKED]
+        packed = (tuple(a[:, 0] for a in arrays), tuple(columns[n] for n in sources),
+                  jnp.stack([sel_index[:, 0], win[:, 0], raw[:, 0]], axis=-1),
+                  (0, 0, 1, 1, 2, 2))
     buffers = dispatch.call("decode_append", backend, tuple(getattr(cache, n) for n in names),
-                            tokens, index, cfg, positions=pos, options=options)
+                            tokens, index, cfg, positions=pos, packed=packed, options=options)
     return cache._replace(**dict(zip(names, buffers)))
 
 
@@ -342,6 +351,9 @@ def prepare_decode_params(params, cfg: NSAConfig) -> dict:
     return {**plain, STEP_WEIGHTS: jnp.concatenate(parts, axis=1)}
 
 
+PACKED = "packed"  # _project_step's key: the arrays the step's keys / values are columns of
+
+
 def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     """`layer.project` of one token per sequence; one GEMM when the params are prepared."""
     if STEP_WEIGHTS not in params:
@@ -362,9 +374,16 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     keys = {n: heads[:, :, H + i * G:H + (i + 1) * G] for i, n in enumerate(names)}
     values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[:len(names)])}
     out["gate_logits"] = pieces[-1]
+    # Where each key and value sits: (0, column) of the RoPE'd heads `[B, T, n_rope * dk]`,
+    # (1, column) of the GEMM's output (`_append_tokens`' packed form).
+    columns = {}
     for c in BRANCHES:
         name = "shared" if cfg.shared_kv else c
+        i = names.index(name)
         out[f"k_{c}"], out[f"v_{c}"] = keys[name], values[name]
+        columns[f"k_{c}"] = (0, (H + i * G) * dk)
+        columns[f"v_{c}"] = (1, n_rope * dk + i * G * dv)
+    out[PACKED] = ((heads.reshape(B, T, n_rope * dk), fused), columns)
     return out
 
 

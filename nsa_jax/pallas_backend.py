@@ -127,16 +127,23 @@ def decode_select_blocks(p_group, cfg: NSAConfig, *, positions, n_sel_blocks: in
                          interpret=options.resolve_interpret())
 
 
-def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions,
+def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=None,
                   options: Optional[PallasOptions] = None):
     """A decode step's appends (one token per sequence) in one kernel, in place
-    (`pallas_kernels.append_rows`); a chunk, or G*d not a power of two, goes to XLA."""
+    (`pallas_kernels.append_rows`; with `packed`, `append_rows_packed` reads the tokens and rows
+    out of the projections, and `tokens` / `index` go unused); a chunk, or G*d not a power of
+    two, goes to XLA."""
     del cfg, positions
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
     options = options or DEFAULT_OPTIONS
-    if options.decode_blocks is not None and not options.decode_blocks.append_kernel:
+    blocks = options.decode_blocks
+    if blocks is not None and not blocks.append_kernel:
         raise NotImplementedError("decode_blocks.append_kernel is off")
+    if packed is not None and (blocks is None or blocks.append_packed):
+        sources, columns, rows, row_columns = packed
+        return kernels.append_rows_packed(buffers, sources, columns, rows, row_columns,
+                                          interpret=options.resolve_interpret())
     return kernels.append_rows(buffers, tuple(t[:, 0] for t in tokens),
                                tuple(i[:, 0] for i in index),
                                interpret=options.resolve_interpret())

@@ -19,6 +19,7 @@ from pallas_kernels.compressed_attention import (
 from pallas_kernels.decode import (
     DecodeBlockSizes,
     append_rows,
+    append_rows_packed,
     decode_compressed,
     decode_compressed_reference,
     decode_compressed_select,

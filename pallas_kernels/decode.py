@@ -48,6 +48,7 @@ from pallas_kernels.select_blocks import BlockSizes, top_n
 __all__ = [
     "DecodeBlockSizes",
     "append_rows",
+    "append_rows_packed",
     "decode_compressed",
     "decode_compressed_reference",
     "decode_compressed_select",
@@ -70,14 +71,16 @@ class DecodeBlockSizes:
     block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
     blocks scored per program, a power of two; select_contiguous: read the slots inside the
     blocks as one contiguous tile where l_sel / d is a power of two, not with a strided load per
-    slot offset; not yet measured on a GPU). topn_elements, num_warps_topn: the top-n kernel
+    slot offset; R44, H100, 64k: 19.8 against 28.2 us at B 32). topn_elements, num_warps_topn: the top-n kernel
     that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
     program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
     an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
     32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
     with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps).
     append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
-    scatters).
+    scatters). append_packed: that kernel reads the tokens straight out of the projections and
+    its rows out of one index array (`append_rows_packed`), so the step has no slice or row
+    kernels of its own; False: `append_rows` over the sliced tokens.
     """
 
     block_cmp: int = 64
@@ -92,6 +95,7 @@ class DecodeBlockSizes:
     topn_elements: int = 1024
     num_warps_topn: int = 4
     append_kernel: bool = True
+    append_packed: bool = True
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
@@ -386,6 +390,64 @@ def append_rows(buffers, tokens, index, *, interpret: bool = False):
         out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
         input_output_aliases={2 * n + i: i for i in range(n)},
     )(*rows, *toks, *flat)
+    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
+
+
+def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tuple):
+    """Grid (batch row,). refs = idx_ref [K] (the rows to write), n_src x src_ref [1, W_s] (the
+    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
+    place). Buffer i takes columns `columns[i] = (s, off)`: src s's `[off, off + W)`, at the
+    row in column `index_columns[i]` of idx_ref."""
+    n = len(columns)
+    idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
+    for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
+        row = idx_ref[j]
+        size, width = out_ref.shape
+        token = src_refs[s][pl.ds(0, 1), pl.ds(off, width)].astype(out_ref.dtype)
+        ok = jnp.broadcast_to(row < size, token.shape)
+        view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1), pl.ds(jnp.int32(0), width)]
+        pltriton.store(view, token, mask=ok)
+
+
+def append_rows_packed(buffers, sources, columns, index, index_columns, *,
+                       interpret: bool = False):
+    """`append_rows` with the tokens read straight out of the step's projections: buffer i
+    `[B, S_i, G, d]` gets `sources[s][:, off:off + G*d]` (`columns[i] = (s, off)`, static) at
+    row `index[:, index_columns[i]]` (`>= S_i`: not written). sources `[B, W_s]`, index
+    `[B, K]` int. So the projections' slices and the rows' arithmetic are no kernels of their
+    own (R44: ~1 us each on a B 1 step). Returns the updated buffers (aliased to the inputs)."""
+    n = len(buffers)
+    if not (n == len(columns) == len(index_columns)) or n == 0:
+        raise ValueError(f"append_rows_packed takes a column and an index column per buffer "
+                         f"(got {n} buffers, {len(columns)}, {len(index_columns)})")
+    B = buffers[0].shape[0]
+    flat = []
+    for buf, (s, off), j in zip(buffers, columns, index_columns):
+        width = buf.shape[2] * buf.shape[3]
+        if width != next_pow2(width) or width < 16:
+            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
+        if not (0 <= s < len(sources) and 0 <= off and off + width <= sources[s].shape[1]
+                and 0 <= j < index.shape[1]):
+            raise ValueError(f"column ({s}, {off}) / index column {j} of a buffer {buf.shape} "
+                             f"outside sources {[x.shape for x in sources]} / index "
+                             f"{index.shape}")
+        flat.append(buf.reshape(B, buf.shape[1], width))
+    K = next_pow2(index.shape[1])
+    rows = jnp.pad(index.astype(jnp.int32), [(0, 0), (0, K - index.shape[1])])
+    srcs = [x.reshape(B, 1, x.shape[1]) for x in sources]
+    outs = pallas_call(
+        functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
+                          index_columns=tuple(index_columns)),
+        name="nsa_decode_append", num_warps=4, num_stages=1, interpret=interpret, grid=(B,),
+        in_specs=([pl.BlockSpec((None, K), lambda b: (b, 0))]
+                  + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs]
+                  + [pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                     for f in flat]),
+        out_specs=[pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+                   for f in flat],
+        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
+        input_output_aliases={1 + len(srcs) + i: i for i in range(n)},
+    )(rows, *srcs, *flat)
     return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
 
 

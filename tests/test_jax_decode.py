@@ -299,9 +299,19 @@ def test_prepared_params_project_in_one_gemm(shared_kv):
     positions = jnp.array([[3], [11]], jnp.int32)
     want = nsa_jax.layer.project(params, x[:, :1], cfg, positions)
     got = nsa_jax.decode._project_step(prepared, x[:, :1], cfg, positions)
-    assert set(got) == set(want) | {"gate_logits"}
+    packed = nsa_jax.decode.PACKED
+    assert set(got) == set(want) | {"gate_logits", packed}
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    # The packed form (what the Pallas append kernel reads): each key / value is the columns
+    # its entry names, bit for bit.
+    arrays, columns = got[packed]
+    assert set(columns) == {k for k in want if k.startswith(("k_", "v_"))}
+    for key, (src, off) in columns.items():
+        width = got[key].shape[2] * got[key].shape[3]
+        np.testing.assert_array_equal(arrays[src][..., off:off + width],
+                                      got[key].reshape(got[key].shape[:2] + (width,)),
+                                      err_msg=key)
     np.testing.assert_allclose(got["gate_logits"], x[:, :1] @ params["wg"], rtol=1e-5,
                                atol=1e-6)
     _, cache = nsa_jax.prefill(params, x[:, :11], cfg, nsa_jax.init_cache(cfg, 2, 16))

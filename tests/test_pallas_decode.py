@@ -305,6 +305,56 @@ def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
                                    (jnp.zeros((1,), jnp.int32),), interpret=True)
 
 
+def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
+    """The packed append (interpret mode): buffer i's token is columns `[off, off + G*d)` of
+    its source, its row a column of one index array; the same writes as `append_rows` over
+    the sliced tokens, an index past the end writing nothing; bad columns raise."""
+    import pallas_kernels
+
+    rng = np.random.default_rng(4)
+    B, G = 3, 2
+    buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
+                    for S, d in ((40, 16), (8, 32), (5, 16)))
+    sources = (jnp.asarray(rng.standard_normal((B, 100)), jnp.float32),
+               jnp.asarray(rng.standard_normal((B, 70)), jnp.bfloat16))
+    columns = ((0, 3), (1, 6), (0, 68))
+    index = jnp.asarray([[0, 7], [39, 3], [40, 100]], jnp.int32)
+    index_columns = (0, 1, 0)
+    got = pallas_kernels.append_rows_packed(buffers, sources, columns, index, index_columns,
+                                            interpret=True)
+    tokens = tuple(sources[s][:, off:off + b.shape[2] * b.shape[3]].reshape(b.shape[0], G, -1)
+                   for (s, off), b in zip(columns, buffers))
+    want = pallas_kernels.append_rows(buffers, tokens, tuple(index[:, j] for j in index_columns),
+                                      interpret=True)
+    for g, w, b in zip(got, want, buffers):
+        assert g.shape == b.shape and g.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(buffers[0], np.float32))
+    with pytest.raises(ValueError, match="outside sources"):
+        pallas_kernels.append_rows_packed(buffers, sources, ((0, 90),) * 3, index, (0, 0, 0),
+                                          interpret=True)
+
+
+def test_packed_append_step_equals_the_sliced_one():
+    """A Pallas decode step with the packed append and one with `append_rows` over the sliced
+    tokens leave the same cache and output (interpret mode)."""
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 40, jnp.float32, seed=21)
+    prepared = nsa_jax.decode.prepare_decode_params(params, cfg)
+    _, cache = nsa_jax.prefill(params, x[:, :33], cfg, nsa_jax.init_cache(cfg, 2, 48))
+    outs = []
+    for packed in (True, False):
+        options = {"pallas": nsa_jax.PallasOptions(
+            interpret=True, decode_blocks=D.DecodeBlockSizes(
+                append_packed=packed))}
+        outs.append(nsa_jax.decode_step(prepared, x[:, 33:34], cfg, cache, backend="pallas",
+                                        options=options)[:2])
+    (y_a, cache_a), (y_b, cache_b) = outs
+    np.testing.assert_array_equal(np.asarray(y_a), np.asarray(y_b))
+    for a, b in zip(jax.tree_util.tree_leaves(cache_a), jax.tree_util.tree_leaves(cache_b)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("block_sel,contiguous", [(16, True), (64, True), (16, False)])
 def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel, contiguous):
     """q = 0: every visible compressed block gets the same probability, so interior selection
@@ -436,6 +486,17 @@ def test_lowers_to_triton_on_any_host():
     bufs = [shape((B, n, G, 128), bf) for n in (L, L, ring, ring, 32, 32)]
     toks = [shape((B, G, 128), bf)] * 6
     text = jax.jit(append, donate_argnums=tuple(range(6))).trace(*bufs, *toks).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1
+
+    def append_packed(*buffers_and_sources):
+        buffers, sources = buffers_and_sources[:6], buffers_and_sources[6:]
+        rows = jnp.zeros((B, 3), jnp.int32)
+        columns = [(0, 512 * i) for i in range(3)] + [(1, 512 * i) for i in range(3)]
+        return pallas_kernels.append_rows_packed(buffers, sources, columns, rows,
+                                                 (0, 0, 1, 1, 2, 2))
+    srcs = [shape((B, 11264), bf), shape((B, 1536 + 192), bf)]  # widths not powers of two
+    text = jax.jit(append_packed, donate_argnums=tuple(range(6))).trace(*bufs, *srcs).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
 

@@ -31,10 +31,11 @@ def put_rows(buf: jax.Array, values: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def decode_append(buffers: tuple, tokens: tuple, index: tuple, cfg: NSAConfig, *,
-                  positions: jax.Array, options: Optional[XlaOptions] = None) -> tuple:
+                  positions: jax.Array, packed=None, options: Optional[XlaOptions] = None) -> tuple:
     """The cache appends of a step or a chunk: each `buffers[i] [B, S_i, G, d]` with
-    `tokens[i] [B, T, G, d]` written at `index[i] [B, T]` (`>= S_i`: not written)."""
-    del cfg, positions, options
+    `tokens[i] [B, T, G, d]` written at `index[i] [B, T]` (`>= S_i`: not written). `packed`
+    (the same tokens and rows as columns of the projections, for kernels) is not needed here."""
+    del cfg, positions, options, packed
     return tuple(put_rows(b, v, i) for b, v, i in zip(buffers, tokens, index))
 
 
