@@ -223,6 +223,13 @@ VARIANTS = {
     # A diagnostic, not a fix: the selected branch alone (gates start at 0.98 / 0.02), so with
     # n_sel covering every block NSA is full attention with its own projections and gates.
     "sel_only": Variant("sel_only", gate_bias=(-4.0, 4.0, -4.0)),
+    # The ranking learns only through the compressed branch's scores, and with sel_only's
+    # compressed gate near 0 they get almost no gradient (R48: layer 1's compressed-key gradient
+    # 2,500x below the selected keys'; the hit rate stayed at chance). Start the compressed
+    # and selected gates at 0.98 and the window at 0.02; `cmp_sel_shared` also shares one K/V
+    # projection, so the selected branch's gradient reaches the compressed keys too.
+    "cmp_sel": Variant("cmp_sel", gate_bias=(4.0, 4.0, -4.0)),
+    "cmp_sel_shared": Variant("cmp_sel_shared", gate_bias=(4.0, 4.0, -4.0), shared_kv=True),
     # Diagnostics: gates fixed at (0, 1, 0) (sigmoid(+-30)); with n_sel covering every block the
     # layer is then exactly the full-attention layer, so `sel_fixed_dense` (the full model's
     # initial weights) must train as `full` does, and `sel_fixed` (NSA's own draw) tells

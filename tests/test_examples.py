@@ -115,6 +115,12 @@ def test_variants_change_the_nsa_config():
                                      train_recall.VARIANTS["mean_shared"])
     assert set(params["blocks"][0]["attn"]["wk"]) == {"shared"}
     assert "cmp_k" not in params["blocks"][0]["attn"]
+    cmp_sel = train_recall.VARIANTS["cmp_sel_shared"]
+    assert train_recall.variant_cfg(cfg, cmp_sel).shared_kv
+    mc = train_recall.ModelConfig("nsa", train_recall.variant_cfg(cfg, cmp_sel), vocab_size=20,
+                                  n_layers=1)
+    bg = train_recall.init_model(jax.random.PRNGKey(0), mc, cmp_sel)["blocks"][0]["attn"]["bg"]
+    np.testing.assert_allclose(np.asarray(bg).reshape(-1, 3)[0], [4.0, 4.0, -4.0])
 
 
 def test_shift_places_keys_in_their_selection_block():
