@@ -54,7 +54,7 @@ def _fa3_ops():
     try:
         from flash_attn3_jax import flash as fa3
         return fa3._flash_mha_fwd, fa3._flash_mha_bwd
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, OSError, RuntimeError):  # absent, or its CUDA libraries
         return None
 
 
