@@ -341,20 +341,59 @@ def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
     return list(zip(outs[:n], outs[n:]))
 
 
+def _store_row(out_ref, token, row):
+    """Write token `[1, W]` at row `row` of out_ref `[S, W]`; nothing when row >= S."""
+    size, width = out_ref.shape
+    ok = jnp.broadcast_to(row < size, token.shape)
+    # Every index int32 (a bare `:` would be int64 under jax_enable_x64).
+    view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1), pl.ds(jnp.int32(0), width)]
+    pltriton.store(view, token.astype(out_ref.dtype), mask=ok)
+
+
 def _append_kernel(*refs, n: int):
     """Grid (batch row,). refs = n x idx_ref [1] (the row to write; >= the buffer's length: none),
     n x tok_ref [1, W] (the token, W = G*d), n x the aliased buffers (unread), n x out_ref
     [S, W] (the same buffers, written in place)."""
     idx_refs, tok_refs, out_refs = refs[:n], refs[n:2 * n], refs[3 * n:]
     for idx_ref, tok_ref, out_ref in zip(idx_refs, tok_refs, out_refs):
-        row = idx_ref[0]
-        size = out_ref.shape[0]
-        token = tok_ref[...]
-        ok = jnp.broadcast_to(row < size, token.shape)
-        # Every index int32 (a bare `:` would be int64 under jax_enable_x64).
-        view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1),
-                          pl.ds(jnp.int32(0), out_ref.shape[1])]
-        pltriton.store(view, token, mask=ok)
+        _store_row(out_ref, tok_ref[...], idx_ref[0])
+
+
+def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tuple):
+    """Grid (batch row,). refs = idx_ref [K] (the rows to write), n_src x src_ref [1, W_s] (the
+    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
+    place). Buffer i takes columns `columns[i] = (s, off)`: src s's `[off, off + W)`, at the
+    row in column `index_columns[i]` of idx_ref."""
+    n = len(columns)
+    idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
+    for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
+        _store_row(out_ref, src_refs[s][pl.ds(0, 1), pl.ds(off, out_ref.shape[1])],
+                   idx_ref[j])
+
+
+def _row_buffers(buffers):
+    """buffers `[B, S_i, G, d]` -> `[B, S_i, G*d]`, one vector store a row."""
+    flat = []
+    for buf in buffers:
+        width = buf.shape[2] * buf.shape[3]
+        if width != next_pow2(width) or width < 16:
+            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
+        flat.append(buf.reshape(buf.shape[0], buf.shape[1], width))
+    return flat
+
+
+def _append_call(kernel, buffers, flat, lead_specs, lead_args, interpret):
+    """The append kernel over grid (batch row,): `lead_args` (indices, tokens) with their
+    BlockSpecs, then the buffers, aliased to the outputs (updated in place)."""
+    spec = lambda f: pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
+    outs = pallas_call(
+        kernel, name="nsa_decode_append", num_warps=4, num_stages=1, interpret=interpret,
+        grid=(flat[0].shape[0],), in_specs=list(lead_specs) + [spec(f) for f in flat],
+        out_specs=[spec(f) for f in flat],
+        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
+        input_output_aliases={len(lead_args) + i: i for i in range(len(flat))},
+    )(*lead_args, *flat)
+    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
 
 
 def append_rows(buffers, tokens, index, *, interpret: bool = False):
@@ -367,46 +406,17 @@ def append_rows(buffers, tokens, index, *, interpret: bool = False):
         raise ValueError(f"append_rows takes as many tokens and indices as buffers (got {n}, "
                          f"{len(tokens)}, {len(index)})")
     B = buffers[0].shape[0]
-    flat, toks, rows = [], [], []
+    flat = _row_buffers(buffers)
     for buf, tok, idx in zip(buffers, tokens, index):
-        width = buf.shape[2] * buf.shape[3]
-        if width != next_pow2(width) or width < 16:
-            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
         if tok.shape != (B,) + buf.shape[2:] or idx.shape != (B,):
             raise ValueError(f"token {tok.shape} / index {idx.shape} do not match buffer "
                              f"{buf.shape}")
-        flat.append(buf.reshape(B, buf.shape[1], width))
-        toks.append(tok.astype(buf.dtype).reshape(B, 1, width))
-        rows.append(idx.astype(jnp.int32))
-    outs = pallas_call(
-        functools.partial(_append_kernel, n=n), name="nsa_decode_append", num_warps=4,
-        num_stages=1, interpret=interpret, grid=(B,),
-        in_specs=([pl.BlockSpec((1,), lambda b: (b,))] * n
-                  + [pl.BlockSpec((None, 1, t.shape[2]), lambda b: (b, 0, 0)) for t in toks]
-                  + [pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
-                     for f in flat]),
-        out_specs=[pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
-                   for f in flat],
-        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
-        input_output_aliases={2 * n + i: i for i in range(n)},
-    )(*rows, *toks, *flat)
-    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
-
-
-def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tuple):
-    """Grid (batch row,). refs = idx_ref [K] (the rows to write), n_src x src_ref [1, W_s] (the
-    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
-    place). Buffer i takes columns `columns[i] = (s, off)`: src s's `[off, off + W)`, at the
-    row in column `index_columns[i]` of idx_ref."""
-    n = len(columns)
-    idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
-    for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
-        row = idx_ref[j]
-        size, width = out_ref.shape
-        token = src_refs[s][pl.ds(0, 1), pl.ds(off, width)].astype(out_ref.dtype)
-        ok = jnp.broadcast_to(row < size, token.shape)
-        view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1), pl.ds(jnp.int32(0), width)]
-        pltriton.store(view, token, mask=ok)
+    toks = [tok.astype(f.dtype).reshape(B, 1, f.shape[2]) for tok, f in zip(tokens, flat)]
+    rows = [idx.astype(jnp.int32) for idx in index]
+    specs = ([pl.BlockSpec((1,), lambda b: (b,))] * n
+             + [pl.BlockSpec((None, 1, t.shape[2]), lambda b: (b, 0, 0)) for t in toks])
+    return _append_call(functools.partial(_append_kernel, n=n), buffers, flat, specs,
+                        rows + toks, interpret)
 
 
 def append_rows_packed(buffers, sources, columns, index, index_columns, *,
@@ -415,40 +425,27 @@ def append_rows_packed(buffers, sources, columns, index, index_columns, *,
     `[B, S_i, G, d]` gets `sources[s][:, off:off + G*d]` (`columns[i] = (s, off)`, static) at
     row `index[:, index_columns[i]]` (`>= S_i`: not written). sources `[B, W_s]`, index
     `[B, K]` int. So the projections' slices and the rows' arithmetic are no kernels of their
-    own (R44: ~1 us each on a B 1 step). Returns the updated buffers (aliased to the inputs)."""
+    own (R51, H200: 31 -> 24 kernels and 84 -> 78 us busy a B 1 step at 64k). Returns the
+    updated buffers (aliased to the inputs)."""
     n = len(buffers)
     if not (n == len(columns) == len(index_columns)) or n == 0:
         raise ValueError(f"append_rows_packed takes a column and an index column per buffer "
                          f"(got {n} buffers, {len(columns)}, {len(index_columns)})")
-    B = buffers[0].shape[0]
-    flat = []
-    for buf, (s, off), j in zip(buffers, columns, index_columns):
-        width = buf.shape[2] * buf.shape[3]
-        if width != next_pow2(width) or width < 16:
-            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
-        if not (0 <= s < len(sources) and 0 <= off and off + width <= sources[s].shape[1]
+    flat = _row_buffers(buffers)
+    for f, buf, (s, off), j in zip(flat, buffers, columns, index_columns):
+        if not (0 <= s < len(sources) and 0 <= off and off + f.shape[2] <= sources[s].shape[1]
                 and 0 <= j < index.shape[1]):
             raise ValueError(f"column ({s}, {off}) / index column {j} of a buffer {buf.shape} "
                              f"outside sources {[x.shape for x in sources]} / index "
                              f"{index.shape}")
-        flat.append(buf.reshape(B, buf.shape[1], width))
     K = next_pow2(index.shape[1])
     rows = jnp.pad(index.astype(jnp.int32), [(0, 0), (0, K - index.shape[1])])
-    srcs = [x.reshape(B, 1, x.shape[1]) for x in sources]
-    outs = pallas_call(
-        functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
-                          index_columns=tuple(index_columns)),
-        name="nsa_decode_append", num_warps=4, num_stages=1, interpret=interpret, grid=(B,),
-        in_specs=([pl.BlockSpec((None, K), lambda b: (b, 0))]
-                  + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs]
-                  + [pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
-                     for f in flat]),
-        out_specs=[pl.BlockSpec((None, f.shape[1], f.shape[2]), lambda b: (b, 0, 0))
-                   for f in flat],
-        out_shape=[jax.ShapeDtypeStruct(f.shape, f.dtype) for f in flat],
-        input_output_aliases={1 + len(srcs) + i: i for i in range(n)},
-    )(rows, *srcs, *flat)
-    return tuple(o.reshape(b.shape) for o, b in zip(outs, buffers))
+    srcs = [x.reshape(x.shape[0], 1, x.shape[1]) for x in sources]
+    specs = ([pl.BlockSpec((None, K), lambda b: (b, 0))]
+             + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs])
+    kernel = functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
+                               index_columns=tuple(index_columns))
+    return _append_call(kernel, buffers, flat, specs, [rows] + srcs, interpret)
 
 
 # ----------------------------------------------------------------------------------------------
