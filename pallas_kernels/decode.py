@@ -71,8 +71,8 @@ class DecodeBlockSizes:
     block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
     blocks scored per program, a power of two; select_contiguous: read the slots inside the
     blocks as one contiguous tile where l_sel / d is a power of two, not with a strided load per
-    slot offset; R44, H100, 64k: 19.8 against 28.2 us at B 32). topn_elements, num_warps_topn: the top-n kernel
-    that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
+    slot offset; R44, H100, 64k: 19.8 against 28.2 us at B 32). topn_elements, num_warps_topn:
+    the top-n kernel that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
     program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
     an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
     32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
