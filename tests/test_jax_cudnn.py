@@ -264,3 +264,37 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
         want = run(lambda q, k, v: sliding_window_attention(
             q, k, v, window=w, scale=scale, options=XlaOptions(fa3=False)), q, k, v)
         close(got, want, ("o", "dq", "dk", "dv"))
+
+
+def test_layer_on_the_fa3_paths_equals_the_chunked_layer(x64, monkeypatch):
+    """The whole layer (non-finite guard, compressed fold, window, selection from the fold's
+    lse), forward and gradients, with both fused branches on the FA-3 wrappers over float64
+    stand-ins (cuDNN's gate opened on the CPU), against the layer with the fused paths off."""
+    import nsa_jax
+    from jax_inputs import make_inputs
+
+    taken = []
+
+    def forward(q, k, v, **kw):
+        taken.append(kw["window_size"])
+        return fa3_forward_f64(q, k, v, **kw)
+
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (forward, fa3_backward_f64))
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 150, jnp.float64, seed=5)   # 10 blocks, n_sel 4
+    off = {"xla": XlaOptions(window_cudnn=False, compressed_cudnn=False)}
+
+    def run(options):
+        def loss(params, x):
+            return jnp.sum(jnp.sin(nsa_jax.nsa_attention(params, x, cfg, options=options)))
+        return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
+
+    (got, got_grads), (want, want_grads) = run(None), run(off)
+    assert sorted(set(taken)) == [(-1, -1), (cfg.window - 1, 0)]
+    assert rel_err(got, want) <= 1e-12
+    # Some leaves' gradients are zero up to rounding (e.g. a bias every key of a softmax
+    # shares): an absolute floor for those.
+    for g, w in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-9, atol=1e-12)
