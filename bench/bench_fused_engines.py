@@ -1,12 +1,12 @@
 """cuDNN against FlashAttention-3 on the two forms NSA hands to fused attention.
 
-The window branch (causal, window w: `local_window_size=(w - 1, 0)` / `window_size=(w - 1, 0)`)
-and the compressed branch folded into a causal square (`nsa_jax.xla.cudnn`: q
-`[B, C, G * d * h, d_k]` against the C compressed keys), forward and forward+backward, timed
-with `bench.common.time_jax_fn`. The layer picks FA-3 where `flash_attn3_jax` is installed
-(`XlaOptions.fa3`, `PallasOptions.fa3`); this script is the evidence for that default (R45).
-Prints a table and writes `<out>/fused_engines.csv`; rows that cannot run here (no GPU, no
-package) are written with status `skip`.
+The window branch (`nsa_jax.xla.cudnn.window_attention`, window w) and the compressed branch
+folded into a causal square (`cudnn.compressed_attention`, its fold and lse included, on
+`causal_attention` or `fa3_causal_attention`), forward and forward+backward, timed with
+`bench.common.time_jax_fn`. These are the calls the layer makes where `XlaOptions.fa3` /
+`PallasOptions.fa3` pick the engine; this script is the evidence for that default. Prints a
+table and writes `<out>/fused_engines.csv`; rows that cannot run here (no GPU, no package) are
+written with status `skip`.
 
     python bench/bench_fused_engines.py --S_list 8k,64k --out artifacts/fused
 """
@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
+from bench.common import Skip  # noqa: E402
 
 COLUMNS = ["S", "form", "engine", "pass", "status", "ms", "ms_min", "ms_max", "max_abs_diff_o",
            "device", "commit"]
@@ -40,27 +41,38 @@ def build_parser():
 
 
 def forms(args, S: int):
-    """{form: (q shape, k shape, {engine: f(q, k, v)})} for one S."""
-    import jax
+    """{form: (q shape, k shape, {engine: f(q, k, v)})} for one S: the library's own calls
+    (`nsa_jax.xla.cudnn`), the compressed one with its fold and lse."""
+    import jax.numpy as jnp
 
-    from flash_attn3_jax import flash_mha  # noqa: F401  (Skip below when absent)
+    from nsa_common import NSAConfig, num_cmp_blocks
+    from nsa_jax.xla import cudnn
 
     scale = 1 / math.sqrt(args.d)
-    w = args.window
-    n = (S - args.cmp_block) // args.cmp_stride + 1
-    n += n % 2  # the fold's even square (cuDNN's backward)
-    heads = args.G * args.cmp_stride * (args.H // args.G)
-    dpa = jax.nn.dot_product_attention
+    cfg = NSAConfig.tiny().replace(n_heads=args.H, n_kv_heads=args.G, d_k=args.d, d_v=args.d,
+                                   cmp_block=args.cmp_block, cmp_stride=args.cmp_stride,
+                                   sel_block=2 * args.cmp_block, window=args.window)
+    x = jnp.zeros((1, 8, 1, args.d), jnp.bfloat16)  # what the engines take: head size, dtype
+    if not cudnn.takes(x, x, x):
+        raise Skip("cuDNN's fused attention does not take these shapes here")
+    if not cudnn.fa3_takes(x, x, x):
+        raise Skip("flash_attn3_jax not installed, not a Hopper GPU, or d > 128")
+
+    def window(fa3):
+        return lambda q, k, v: cudnn.window_attention(q, k, v, window=args.window, scale=scale,
+                                                      fa3=fa3)
+
+    def compressed(attend):
+        return lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale,
+                                                          attend=attend)[0]
+
+    C = num_cmp_blocks(cfg, S)
     return {
-        "window": ((1, S, args.H, args.d), (1, S, args.G, args.d), {
-            "cudnn": lambda q, k, v: dpa(q, k, v, scale=scale, is_causal=True,
-                                         local_window_size=(w - 1, 0), implementation="cudnn"),
-            "fa3": lambda q, k, v: flash_mha(q, k, v, softmax_scale=scale, is_causal=True,
-                                             window_size=(w - 1, 0))}),
-        "compressed": ((1, n, heads, args.d), (1, n, args.G, args.d), {
-            "cudnn": lambda q, k, v: dpa(q, k, v, scale=scale, is_causal=True,
-                                         implementation="cudnn"),
-            "fa3": lambda q, k, v: flash_mha(q, k, v, softmax_scale=scale, is_causal=True)}),
+        "window": ((1, S, args.H, args.d), (1, S, args.G, args.d),
+                   {"cudnn": window(False), "fa3": window(True)}),
+        "compressed": ((1, S, args.H, args.d), (1, C, args.G, args.d),
+                       {"cudnn": compressed(cudnn.causal_attention),
+                        "fa3": compressed(cudnn.fa3_causal_attention)}),
     }
 
 
@@ -82,7 +94,7 @@ def run_S(args, S: int) -> list[dict]:
         return [dict(base, form="-", engine="-", status="skip: needs a GPU")]
     try:
         table = forms(args, S)
-    except ImportError as exc:
+    except Skip as exc:
         return [dict(base, form="-", engine="-", status=f"skip: {exc}")]
     rows = []
     for form, (q_shape, k_shape, engines) in table.items():

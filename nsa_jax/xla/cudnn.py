@@ -111,6 +111,18 @@ def fa3_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: in
     return o[..., :v.shape[-1]]
 
 
+def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float,
+                     fa3: bool = True) -> jax.Array:
+    """The sliding window on fused attention: FlashAttention-3 where `fa3` is asked for and
+    `fa3_takes` the arrays, else cuDNN's `local_window_size`. Shapes as `fa3_window_attention`;
+    the caller checks `takes`."""
+    if fa3 and fa3_takes(q, k, v):
+        return fa3_window_attention(q, k, v, window=window, scale=scale)
+    return jax.nn.dot_product_attention(
+        q, k, pad_v(v, q.shape[-1]), scale=scale, is_causal=True,
+        local_window_size=(window - 1, 0), implementation="cudnn")[..., :v.shape[-1]]
+
+
 def fused_causal(fa3: bool, q: jax.Array, k: jax.Array, v: jax.Array):
     """The causal attention the compressed branch's folded form runs on: FlashAttention-3 where
     `fa3` is asked for and `fa3_takes` the arrays, else cuDNN."""

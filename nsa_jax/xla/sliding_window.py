@@ -49,12 +49,8 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window
     options = options or DEFAULT_OPTIONS
     B, T = q.shape[:2]
     if _cudnn_applies(q, k, v, segments, options):
-        if options.fa3 and cudnn.fa3_takes(q, k, v):
-            return cudnn.fa3_window_attention(q, k, v, window=window, scale=scale)
         try:
-            return jax.nn.dot_product_attention(
-                q, k, cudnn.pad_v(v, q.shape[-1]), scale=scale, is_causal=True,
-                local_window_size=(window - 1, 0), implementation="cudnn")[..., :v.shape[-1]]
+            return cudnn.window_attention(q, k, v, window=window, scale=scale, fa3=options.fa3)
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # this cuDNN build refuses the shapes: the banded path below is exact too
     # A window longer than the sequence is the causal mask: shrink it to keep the band small.
