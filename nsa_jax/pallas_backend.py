@@ -137,10 +137,10 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
     options = options or DEFAULT_OPTIONS
-    blocks = options.decode_blocks
-    if blocks is not None and not blocks.append_kernel:
+    blocks = options.decode_blocks or kernels.DecodeBlockSizes()
+    if not blocks.append_kernel:
         raise NotImplementedError("decode_blocks.append_kernel is off")
-    if packed is not None and (blocks is None or blocks.append_packed):
+    if packed is not None and blocks.append_packed:
         sources, columns, rows, row_columns = packed
         return kernels.append_rows_packed(buffers, sources, columns, rows, row_columns,
                                           interpret=options.resolve_interpret())
