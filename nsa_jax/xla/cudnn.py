@@ -111,6 +111,13 @@ def fa3_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: in
     return o[..., :v.shape[-1]]
 
 
+def fused_takes(q: jax.Array, k: jax.Array, v: jax.Array, *, fa3: bool,
+                cudnn_kernel: bool) -> bool:
+    """Whether a fused path takes these arrays: `takes`, and then FlashAttention-3 (`fa3` asked
+    for and `fa3_takes`) or, where `cudnn_kernel` allows it, cuDNN's own kernel."""
+    return takes(q, k, v) and (cudnn_kernel or (fa3 and fa3_takes(q, k, v)))
+
+
 def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float,
                      fa3: bool = True) -> jax.Array:
     """The sliding window on fused attention: FlashAttention-3 where `fa3` is asked for and
