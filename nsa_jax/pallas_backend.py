@@ -42,6 +42,8 @@ class PallasOptions:
     layer's lse only feeds the selection); False runs the Pallas kernel, whose lse does.
     fa3: on that path, FlashAttention-3 instead of cuDNN where `flash_attn3_jax` is installed
     on a Hopper or later GPU (`nsa_jax.xla.cudnn.fa3_takes`; faster on an H200, R45).
+    cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
+    Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
     """
 
     interpret: Optional[bool] = None
@@ -51,6 +53,7 @@ class PallasOptions:
     decode_blocks: Optional[kernels.DecodeBlockSizes] = None
     compressed_cudnn: bool = True
     fa3: bool = True
+    cudnn_kernel: bool = True
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:
@@ -65,7 +68,8 @@ def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
                          options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
     if (options.compressed_cudnn and not options.resolve_interpret()
-            and cudnn.takes(q, k_cmp, v_cmp)):
+            and cudnn.fused_takes(q, k_cmp, v_cmp, fa3=options.fa3,
+                                  cudnn_kernel=options.cudnn_kernel)):
         try:
             o, lse = cudnn.compressed_attention(
                 q, k_cmp, v_cmp, cfg, scale=scale,

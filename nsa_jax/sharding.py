@@ -212,19 +212,18 @@ def local_config(cfg: NSAConfig, mesh: Mesh, axes: MeshAxes) -> NSAConfig:
 
 def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[dict]:
     """The options the branches get inside `shard_map`: as given, but with more than one device
-    cuDNN's fused attention is off (`window_cudnn` and `compressed_cudnn` of the "xla" options,
-    `compressed_cudnn` of the "pallas" ones), so those branches take the chunked XLA path and
-    the Pallas kernel. With jax 0.11.2 on 2 H100s, XLA's compilation of the layer's *gradient*
-    segfaults whenever either cuDNN branch runs inside a `shard_map` over several devices (data
-    or model axis; bf16; the forward compiles, a one-device mesh works, and so does cuDNN's
-    attention alone in a `shard_map`): bench/RESULTS.md, issue 18."""
+    cuDNN's own fused kernel is off (`cudnn_kernel` of both backends' options): the window and
+    compressed branches run on FlashAttention-3 where it takes them, else on the chunked XLA
+    path and the Pallas kernel. With jax 0.11.2 on 2 H100s, XLA's compilation of the layer's
+    *gradient* segfaults whenever cuDNN's kernel runs either branch inside a `shard_map` over
+    several devices (data or model axis; bf16; the forward compiles, a one-device mesh works,
+    and so does cuDNN's attention alone in a `shard_map`): bench/RESULTS.md, issue 18."""
     if mesh.size == 1:
         return dict(options) if options else None
     options = dict(options or {})
-    options["xla"] = dataclasses.replace(options.get("xla") or XLA_DEFAULTS,
-                                         window_cudnn=False, compressed_cudnn=False)
+    options["xla"] = dataclasses.replace(options.get("xla") or XLA_DEFAULTS, cudnn_kernel=False)
     options["pallas"] = dataclasses.replace(options.get("pallas") or PALLAS_DEFAULTS,
-                                            compressed_cudnn=False)
+                                            cudnn_kernel=False)
     return options
 
 

@@ -12,6 +12,8 @@ Cases (bf16, B 2, T 2048, H 16, G 8, d 64; mesh of 2 devices unless said):
   layer_grad_nowin  cuDNN only on the compressed branch                 (segfault)
   layer_grad_nocmp  cuDNN only on the window branch                     (segfault)
   layer_grad_nocudnn  neither                                           (compiles)
+  layer_grad_fa3    both fused branches on FlashAttention-3 instead of cuDNN (needs
+                    flash_attn3_jax; what `sharding.body_options` leaves on)
   raw_win_grad      jax.nn.dot_product_attention(cudnn, window) alone in shard_map (compiles)
 
     python scripts/repro_cudnn_shard_map.py            # every case
@@ -26,13 +28,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("layer_fwd", "layer_grad", "layer_grad_one", "layer_grad_nowin", "layer_grad_nocmp",
-         "layer_grad_nocudnn", "raw_win_grad")
+         "layer_grad_nocudnn", "layer_grad_fa3", "raw_win_grad")
 
 
 def run_case(case: str) -> None:
     """Compile and run one case in this process, `sharding.body_options` bypassed meanwhile."""
     sys.path.insert(0, ROOT)
     from nsa_jax import sharding
+    from nsa_jax.xla import cudnn
 
     keep = sharding.body_options
     sharding.body_options = lambda options, mesh: dict(options) if options else None
@@ -51,6 +54,7 @@ def _compile_and_run(case: str) -> None:
     import nsa_jax
     from nsa_common import NSAConfig
     from nsa_jax import sharding
+    from nsa_jax.xla import cudnn
 
     devices = jax.devices()[:1 if case.endswith("_one") else 2]
     mesh = Mesh(np.array(devices), ("data",))
@@ -67,9 +71,14 @@ def _compile_and_run(case: str) -> None:
                         cmp_stride=16, sel_block=64, n_sel=8, window=256)
         params = nsa_jax.init_params(jax.random.PRNGKey(0), cfg, jnp.bfloat16)
         x = jax.random.normal(jax.random.PRNGKey(1), (2, 2048, cfg.d_model), jnp.bfloat16)
+        fa3 = case.endswith("fa3")
+        q = jnp.zeros((1, 8, cfg.n_heads, cfg.d_k), jnp.bfloat16)   # the branches' shapes
+        if fa3 and not cudnn.fa3_takes(q, q, q):
+            raise RuntimeError("layer_grad_fa3 needs flash_attn3_jax on a Hopper GPU")
         options = {"xla": nsa_jax.XlaOptions(
             window_cudnn=not case.endswith(("nowin", "nocudnn")),
-            compressed_cudnn=not case.endswith(("nocmp", "nocudnn")))}
+            compressed_cudnn=not case.endswith(("nocmp", "nocudnn")),
+            fa3=fa3, cudnn_kernel=not fa3)}
 
         def layer(params, x):
             return sharding.sharded_nsa_attention(params, x, cfg, mesh,

@@ -17,6 +17,7 @@ from nsa_common import NSAConfig, num_cmp_blocks
 from nsa_common.testing import rel_err
 from nsa_jax import XlaOptions
 from nsa_jax.xla import cudnn
+from fa3_stand_in import fa3_backward_f64, fa3_forward_f64
 from nsa_jax.xla.compressed_attention import compressed_attention as xla_compressed_attention
 
 
@@ -128,27 +129,6 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
         assert g.shape == w.shape, name
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
-
-
-def fa3_forward_f64(q, k, v, softmax_scale, is_causal, window_size):
-    """Stand-in of flash_attn3_jax's forward primitive: (o, lse `[B, N, S]`), causal, keys
-    `i - left .. i` when `window_size = (left, 0)` (left -1: unbounded), GQA."""
-    assert is_causal and window_size[1] in (0, -1)
-    S, N = q.shape[1], q.shape[2]
-    group = N // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    s = jnp.einsum("bqnd,bknd->bnqk", q, k) * softmax_scale
-    i, j = np.arange(S)[:, None], np.arange(S)[None]
-    allowed = (j <= i) & ((window_size[0] < 0) | (j >= i - window_size[0]))
-    s = jnp.where(allowed, s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    return jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v), lse
-
-
-def fa3_backward_f64(do, q, k, v, out, lse, softmax_scale, is_causal, window_size):
-    _, pullback = jax.vjp(lambda q, k, v: fa3_forward_f64(q, k, v, softmax_scale, is_causal,
-                                                          window_size)[0], q, k, v)
-    return pullback(do)
 
 
 @pytest.fixture
@@ -264,6 +244,25 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
         want = run(lambda q, k, v: sliding_window_attention(
             q, k, v, window=w, scale=scale, options=XlaOptions(fa3=False)), q, k, v)
         close(got, want, ("o", "dq", "dk", "dv"))
+
+
+def test_fused_takes_without_cudnn_kernel_needs_fa3(monkeypatch):
+    """`fused_takes`: cuDNN's gate first; then FA-3 (asked for and taking the arrays) or cuDNN's
+    own kernel where `cudnn_kernel` allows it; off, with FA-3 absent or off, nothing fused."""
+    x = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward_f64, fa3_backward_f64))
+    assert cudnn.fused_takes(x, x, x, fa3=True, cudnn_kernel=False)
+    assert not cudnn.fused_takes(x, x, x, fa3=False, cudnn_kernel=False)
+    assert cudnn.fused_takes(x, x, x, fa3=False, cudnn_kernel=True)
+    wide = jnp.zeros((1, 8, 2, 192), jnp.bfloat16)   # beyond this FA-3 build's head size
+    assert not cudnn.fused_takes(wide, wide, wide, fa3=True, cudnn_kernel=False)
+    assert cudnn.fused_takes(wide, wide, wide, fa3=True, cudnn_kernel=True)
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: None)
+    assert not cudnn.fused_takes(x, x, x, fa3=True, cudnn_kernel=False)
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: False)
+    assert not cudnn.fused_takes(x, x, x, fa3=True, cudnn_kernel=True)
 
 
 def test_layer_on_the_fa3_paths_equals_the_chunked_layer(x64, monkeypatch):

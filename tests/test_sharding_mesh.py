@@ -122,18 +122,54 @@ def test_decode_matches_unsharded(backend):
     assert_sharded_like(cache_sh, sharding.cache_specs(CFG, axes), mesh)
 
 
-def test_cudnn_off_inside_a_multi_device_shard_map():
-    """body_options: cuDNN's attention off (both backends) with more than one device, the
-    caller's other options kept; a one-device mesh keeps the options as given."""
+def test_cudnn_kernel_off_inside_a_multi_device_shard_map():
+    """body_options: cuDNN's own kernel off (both backends) with more than one device, FA-3 and
+    the caller's other options kept; a one-device mesh keeps the options as given."""
     mesh, _ = make_mesh(data=2)
     opts = sharding.body_options({"xla": nsa_jax.XlaOptions(window_q_chunk=64)}, mesh)
-    assert opts["xla"] == nsa_jax.XlaOptions(window_q_chunk=64, window_cudnn=False,
-                                             compressed_cudnn=False)
-    assert opts["pallas"] == nsa_jax.PallasOptions(compressed_cudnn=False)
+    assert opts["xla"] == nsa_jax.XlaOptions(window_q_chunk=64, cudnn_kernel=False)
+    assert opts["pallas"] == nsa_jax.PallasOptions(cudnn_kernel=False)
     one, _ = make_mesh(data=1)
     assert sharding.body_options(None, one) is None
     given = {"pallas": nsa_jax.PallasOptions(interpret=True)}
     assert sharding.body_options(given, one) == given
+
+
+def test_fa3_runs_inside_a_multi_device_shard_map(x64, reference, monkeypatch):
+    """Inside a `shard_map` over data x model, both fused branches run on FA-3 (float64
+    stand-ins, the fused gate opened on the CPU) and cuDNN's own kernel never: output, aux and
+    gradients equal the unsharded chunked layer's."""
+    from fa3_stand_in import fa3_backward_f64, fa3_forward_f64
+    from nsa_jax.xla import cudnn
+
+    params, x, y_ref, aux_ref, grads_ref = reference
+    taken = []
+
+    def forward(q, k, v, **kw):
+        taken.append(kw["window_size"])
+        return fa3_forward_f64(q, k, v, **kw)
+
+    def no_cudnn(*args, **kwargs):
+        raise AssertionError("cuDNN's own kernel ran inside a multi-device shard_map")
+
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (forward, fa3_backward_f64))
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    monkeypatch.setattr(cudnn, "causal_attention", no_cudnn)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", no_cudnn)
+    mesh, axes = make_mesh(data=2, model=2)
+    try:
+        y, aux, grads = loss_and_grads(
+            lambda p, x: sharding.sharded_nsa_attention(p, x, CFG, mesh, axes=axes,
+                                                        return_aux=True), params, x)
+    finally:
+        jax.clear_caches()  # no compiled program of the patched paths outlives the patches
+    assert sorted(set(taken)) == [(-1, -1), (CFG.window - 1, 0)]
+    assert rel_err(y, y_ref) <= TOL
+    for name in AUX_FLOAT:
+        assert rel_err(aux[name], aux_ref[name]) <= TOL, name
+    np.testing.assert_array_equal(aux["block_idx"], aux_ref["block_idx"])
+    assert_grads_match(grads, grads_ref)
 
 
 def test_cudnn_repro_script(capsys):

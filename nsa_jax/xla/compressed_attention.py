@@ -47,7 +47,9 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
     lse = -inf, with zero gradients.
     """
     options = options or DEFAULT_OPTIONS
-    if options.compressed_cudnn and segments is None and cudnn.takes(q, k_cmp, v_cmp):
+    if (options.compressed_cudnn and segments is None
+            and cudnn.fused_takes(q, k_cmp, v_cmp, fa3=options.fa3,
+                                  cudnn_kernel=options.cudnn_kernel)):
         try:
             o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale,
                                                 attend=cudnn.fused_causal(options.fa3, q, k_cmp,

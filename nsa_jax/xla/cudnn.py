@@ -68,9 +68,34 @@ def fa3_takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
             and max_head_dim() == _MAX_HEAD_DIM_SM90 and _fa3_ops() is not None)
 
 
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside `shard_map`) over which x's value varies, by its type."""
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)      # jax >= 0.10
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(outputs, *operands):
+    """flash_attn3_jax's calls type their results as varying over no mesh axis; inside a
+    `shard_map` they vary as their operands do, and a custom VJP's cotangents must say so
+    (else JAX refuses the backward, or psums over the axis what it takes for a broadcast).
+    The cast changes the type only; it sits inside the custom VJP, so it is never
+    differentiated."""
+    axes = frozenset().union(*map(_varying_axes, operands))
+    return tuple(_cast_varying(y, tuple(sorted(axes - _varying_axes(y)))) for y in outputs)
+
+
+def _cast_varying(y, axes: tuple):
+    if not axes:
+        return y
+    if hasattr(lax, "pcast"):                                  # jax >= 0.8
+        return lax.pcast(y, axes, to="varying")
+    return lax.pvary(y, axes)
+
+
 def _fa3_forward(q, k, v, scale, window):
     o, lse = _fa3_ops()[0](q, k, v, softmax_scale=scale, is_causal=True, window_size=window)
-    return o, lse
+    return _varying_like((o, lse), q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -86,9 +111,9 @@ def _fa3_attention_fwd(q, k, v, scale, window):
 def _fa3_attention_bwd(scale, window, residuals, cotangents):
     q, k, v, o, lse = residuals
     do, _ = cotangents  # lse carries no gradient (its callers stop it)
-    dq, dk, dv = _fa3_ops()[1](do.astype(o.dtype), q, k, v, o, lse, softmax_scale=scale,
-                               is_causal=True, window_size=window)
-    return dq, dk, dv
+    grads = _fa3_ops()[1](do.astype(o.dtype), q, k, v, o, lse, softmax_scale=scale,
+                          is_causal=True, window_size=window)
+    return tuple(_varying_like((grad,), x)[0] for grad, x in zip(grads, (q, k, v)))
 
 
 _fa3_attention.defvjp(_fa3_attention_fwd, _fa3_attention_bwd)
@@ -109,6 +134,13 @@ def fa3_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: in
     The caller checks `fa3_takes`."""
     o, _ = _fa3_attention(q, k, pad_v(v, q.shape[-1]), float(scale), (window - 1, 0))
     return o[..., :v.shape[-1]]
+
+
+def fused_takes(q: jax.Array, k: jax.Array, v: jax.Array, *, fa3: bool,
+                cudnn_kernel: bool) -> bool:
+    """Whether a fused path takes these arrays: `takes`, and then FlashAttention-3 (`fa3` asked
+    for and `fa3_takes`) or, where `cudnn_kernel` allows it, cuDNN's own kernel."""
+    return takes(q, k, v) and (cudnn_kernel or (fa3 and fa3_takes(q, k, v)))
 
 
 def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float,

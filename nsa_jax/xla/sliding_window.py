@@ -33,7 +33,8 @@ def window_chunk(q: jax.Array, k: jax.Array, v: jax.Array, key_token: jax.Array,
 
 def _cudnn_applies(q, k, v, segments, options) -> bool:
     """cuDNN takes one head size for q, k and v: d_v < d_k goes in with v zero-padded."""
-    return options.window_cudnn and segments is None and cudnn.takes(q, k, v)
+    return (options.window_cudnn and segments is None
+            and cudnn.fused_takes(q, k, v, fa3=options.fa3, cudnn_kernel=options.cudnn_kernel))
 
 
 def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int,
