@@ -34,8 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_kernel_dtype,
-                                    dot, matmul_dim, next_pow2, online_softmax_finish,
+from pallas_kernels._common import (LOG2_E, LN_2, MASK, MATMUL_MIN, check_implementation,
+                                    check_kernel_dtype, dot, matmul_dim, next_pow2,
+                                    online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
                                     pallas_call)
 
@@ -59,6 +60,9 @@ class BlockSizes:
       dkv_chunk: queries per dk/dv work item; `None` means `2 * n_sel * l_sel` (twice a block's
         mean list length), so most blocks are one item and only the long lists split.
       num_warps_* / num_stages_*: Triton launch parameters of the forward, dq and dk/dv kernels.
+      split_dk: a d_k that is the sum of two powers of two >= 16 (192 = 128 + 64, 96 = 64 + 32)
+        enters the products as those two column parts, unpadded; False pads it to the next
+        power of two (256 for 192), as before. Not yet measured on a GPU.
     """
     dkv_rows: int = 64
     dkv_chunk: int | None = None
@@ -70,6 +74,7 @@ class BlockSizes:
     num_stages_dq: int = 2
     num_warps_dkv: int = 4
     num_stages_dkv: int = 2
+    split_dk: bool = True
 
     def __post_init__(self):
         if self.dkv_rows < 16 or self.dkv_rows & (self.dkv_rows - 1):
@@ -89,6 +94,7 @@ class _Geometry:
     d_v: int
     n_sel: int
     l_sel: int
+    split_dk: bool = True
 
     @property
     def h(self) -> int:
@@ -99,8 +105,21 @@ class _Geometry:
         return matmul_dim(self.h)
 
     @property
-    def dk_pad(self) -> int:
-        return matmul_dim(self.d_k)
+    def dk_parts(self) -> tuple:
+        """(offset, width) column parts of q / k that enter `tl.dot`, each a power of two
+        >= MATMUL_MIN: d_k itself, or its two binary parts (`split_dk`), else d_k padded."""
+        d = self.d_k
+        if d == matmul_dim(d):
+            return ((0, d),)
+        high = next_pow2(d) // 2
+        if self.split_dk and d - high == next_pow2(d - high) and d - high >= MATMUL_MIN:
+            return ((0, high), (high, d - high))
+        return ((0, matmul_dim(d)),)
+
+    @property
+    def dk_pad(self) -> int:  # the width of the q / k arrays the kernels read
+        offset, width = self.dk_parts[-1]
+        return offset + width
 
     @property
     def dv_pad(self) -> int:
@@ -132,6 +151,33 @@ class _Geometry:
 _dot = functools.partial(dot, highest_16bit=False)
 
 
+def _cols(ref, rows, parts):
+    """`ref[rows]` (rows None: every row) cut into the column parts; one load when one part
+    spans the ref, the same load as before the parts existed."""
+    if len(parts) == 1:
+        return [ref[...] if rows is None else ref[rows, :]]
+    if rows is None:
+        rows = pl.ds(0, ref.shape[0])
+    return [ref[rows, pl.ds(o, w)] for o, w in parts]
+
+
+def _store_cols(ref, values, parts):
+    """ref[:, part] = value for each column part (`values` as `_cols` gives them)."""
+    if len(parts) == 1:
+        ref[...] = values[0]
+        return
+    for (o, w), value in zip(parts, values):
+        ref[:, pl.ds(o, w)] = value
+
+
+def _scores(a_parts, b_parts):
+    """sum over the column parts of a_p @ b_p^T (float32)."""
+    s = _dot(a_parts[0], b_parts[0], trans_b=True)
+    for a, b in zip(a_parts[1:], b_parts[1:]):
+        s = s + _dot(a, b, trans_b=True)
+    return s
+
+
 def _visit_bound(idx_ref):
     """1 + the last slot holding a block (>= 0): trailing -1 padding is never visited."""
     idx = idx_ref[...]
@@ -139,31 +185,33 @@ def _visit_bound(idx_ref):
     return jnp.max(jnp.where(idx >= 0, slot + 1, 0))
 
 
-def _load_block(k_ref, v_ref, j, t, l_sel, tile):
-    """K, V `[tile, d]` of block j and the keep mask `[1, tile]` of its keys for query t.
+def _load_block(k_ref, v_ref, j, t, l_sel, tile, parts):
+    """K (its column parts) and V `[tile, d]` of block j, and the keep mask `[1, tile]` of its
+    keys for query t.
 
     A slot that does not take part (-1, or a block starting after t) loads block 0, fully
     masked, so the loop needs no branch."""
     live = (j >= 0) & (j * l_sel <= t)
     start = jnp.where(live, j, 0) * l_sel
-    k = k_ref[pl.ds(start, tile), :]
+    k = _cols(k_ref, pl.ds(start, tile), parts)
     v = v_ref[pl.ds(start, tile), :]
     offset = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
     keep = live & (start + offset <= t) & (offset < l_sel)
     return k, v, keep
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile):
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile, parts):
     """One (token t, KV head g, batch b). q_ref [h_pad, dk_pad], k_ref [T_pad, dk_pad],
-    v_ref [T_pad, dv_pad], idx_ref [n_sel_pad]; o_ref [h_pad, dv_pad], lse_ref [h_pad]."""
+    v_ref [T_pad, dv_pad], idx_ref [n_sel_pad]; o_ref [h_pad, dv_pad], lse_ref [h_pad].
+    parts: the (offset, width) column parts of q and k (`_Geometry.dk_parts`)."""
     t = pl.program_id(0)
-    q = q_ref[...]
     rows, dv = o_ref.shape
+    q = _cols(q_ref, None, parts)
     scale_log2 = scale * LOG2_E
 
     def visit(slot, carry):
-        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile)
-        s = jnp.where(keep, _dot(q, k, trans_b=True) * scale_log2, MASK)   # [h_pad, tile]
+        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile, parts)
+        s = jnp.where(keep, _scores(q, k) * scale_log2, MASK)              # [h_pad, tile]
         return online_softmax_step(carry, s, v, _dot)
 
     carry = lax.fori_loop(0, _visit_bound(idx_ref), visit, online_softmax_init(rows, dv))
@@ -175,30 +223,32 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, l_sel,
-               tile):
+               tile, parts):
     """One (token t, KV head g, batch b): dq of the group's heads. Shapes as `_fwd_kernel`, with
     do_ref [h_pad, dv_pad], lse_ref / delta_ref [h_pad]; dq_ref [h_pad, dk_pad]."""
     t = pl.program_id(0)
-    q = q_ref[...]
+    rows = dq_ref.shape[0]
+    q = _cols(q_ref, None, parts)
     do = do_ref[...]
     lse_log2 = lse_ref[...] * LOG2_E
     delta = delta_ref[...]
     scale_log2 = scale * LOG2_E
 
     def visit(slot, dq):
-        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile)
-        s = _dot(q, k, trans_b=True) * scale_log2
+        k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile, parts)
+        s = _scores(q, k) * scale_log2
         p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
         dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = (p * (dp - delta[:, None])).astype(v.dtype)
+        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
 
-    dq = lax.fori_loop(0, _visit_bound(idx_ref), visit, jnp.zeros(dq_ref.shape, jnp.float32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dq = lax.fori_loop(0, _visit_bound(idx_ref), visit,
+                       [jnp.zeros((rows, w), jnp.float32) for _, w in parts])
+    _store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype) for x in dq], parts)
 
 
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
-                delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, l_sel, tile, h, H, rows):
+                delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, l_sel, tile, h, H, rows, parts):
     """One (work item w, KV head g, batch b): the dk, dv contribution of the queries at positions
     [lo, hi) of block j's query list. item_*_ref [W], qlist_ref [L] (query positions),
     q_ref [T*H, dk_pad] and do_ref [T*H, dv_pad] (row t*H + head), lse_ref / delta_ref [T*H],
@@ -207,7 +257,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     w, g = pl.program_id(0), pl.program_id(1)
     j, lo, hi = item_block_ref[w], item_lo_ref[w], item_hi_ref[w]
     start = j * l_sel
-    k = k_ref[pl.ds(start, tile), :]
+    k = _cols(k_ref, pl.ds(start, tile), parts)
     v = v_ref[pl.ds(start, tile), :]
     scale_log2 = scale * LOG2_E
     queries_per_step = rows // h
@@ -225,39 +275,46 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
         valid = (pos < hi) & (slot < queries_per_step)
         t_row = jnp.where(valid, qlist_ref[pos], 0)
         row = t_row * H + g * h + head
-        q = q_ref[row, :]
+        q = _cols(q_ref, row, parts)
         do = do_ref[row, :]
         lse_log2 = lse_ref[row] * LOG2_E
         delta = delta_ref[row]
-        s = _dot(k, q, trans_b=True) * scale_log2                  # [tile, rows]
+        s = _scores(k, q) * scale_log2                             # [tile, rows]
         keep = (key_pos <= t_row[None, :]) & valid[None, :] & key_in_block
         p = jnp.where(keep, jnp.exp2(s - lse_log2[None, :]), 0.0)
         dv = dv + _dot(p.astype(do.dtype), do)                     # [tile, dv_pad]
         dp = _dot(v, do, trans_b=True)                             # [tile, rows]
-        ds = p * (dp - delta[None, :])
-        dk = dk + _dot(ds.astype(q.dtype), q)                      # [tile, dk_pad]
+        ds = (p * (dp - delta[None, :])).astype(do.dtype)
+        dk = [acc + _dot(ds, q_part) for acc, q_part in zip(dk, q)]  # [tile, width] each
         return dk, dv
 
     n_steps = lax.div(hi - lo + queries_per_step - 1, jnp.int32(queries_per_step))
-    dk, dv = lax.fori_loop(0, n_steps, step, (jnp.zeros(dk_ref.shape, jnp.float32),
-                                              jnp.zeros(dv_ref.shape, jnp.float32)))
-    dk_ref[...] = dk * scale
+    dk, dv = lax.fori_loop(0, n_steps, step,
+                           ([jnp.zeros((tile, w), jnp.float32) for _, w in parts],
+                            jnp.zeros(dv_ref.shape, jnp.float32)))
+    _store_cols(dk_ref, [x * scale for x in dk], parts)
     dv_ref[...] = dv
 
 
-def _dkv_reduce_kernel(item_start_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref):
+def _dkv_reduce_kernel(item_start_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref, *, parts):
     """One (block j, KV head g, batch b): sum block j's item partials in item order.
-    item_start_ref [n_blocks + 1], *_part_ref [W, tile, d_pad]; dk_ref / dv_ref [tile, d_pad]."""
+    item_start_ref [n_blocks + 1], *_part_ref [W, tile, d_pad]; dk_ref / dv_ref [tile, d_pad]
+    (dk in its column parts)."""
     j = pl.program_id(0)
+    tile = dk_ref.shape[0]
 
     def add(w, carry):
         dk, dv = carry
-        return dk + dk_part_ref[w], dv + dv_part_ref[w]
+        if len(parts) == 1:
+            dk_w = [dk_part_ref[w]]
+        else:
+            dk_w = [dk_part_ref[w, pl.ds(0, tile), pl.ds(o, n)] for o, n in parts]
+        return [a + b for a, b in zip(dk, dk_w)], dv + dv_part_ref[w]
 
     dk, dv = lax.fori_loop(item_start_ref[j], item_start_ref[j + 1], add,
-                           (jnp.zeros(dk_ref.shape, jnp.float32),
+                           ([jnp.zeros((tile, n), jnp.float32) for _, n in parts],
                             jnp.zeros(dv_ref.shape, jnp.float32)))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    _store_cols(dk_ref, [x.astype(dk_ref.dtype) for x in dk], parts)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -291,7 +348,8 @@ def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpre
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     rows, vec, kv, idx_spec = _token_specs(geo)
-    kernel = functools.partial(_fwd_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
+    kernel = functools.partial(_fwd_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+                               parts=geo.dk_parts)
     o, lse = pallas_call(
         kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
         num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
@@ -313,7 +371,8 @@ def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, 
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
     rows, vec, kv, idx_spec = _token_specs(geo)
-    kernel = functools.partial(_dq_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile)
+    kernel = functools.partial(_dq_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+                               parts=geo.dk_parts)
     dq = pallas_call(
         kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
         num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
@@ -407,7 +466,7 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
     part_spec = lambda d: pl.BlockSpec((None, None, None, geo.tile, d),
                                        lambda w, g, b: (b, g, w, 0, 0))
     kernel = functools.partial(_dkv_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
-                               h=geo.h, H=H, rows=rows)
+                               h=geo.h, H=H, rows=rows, parts=geo.dk_parts)
     dk_part, dv_part = pallas_call(
         kernel, name="nsa_selected_attention_dkv", num_warps=bs.num_warps_dkv,
         num_stages=bs.num_stages_dkv, interpret=interpret, debug=debug,
@@ -425,7 +484,8 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
     out_spec = lambda d: pl.BlockSpec((None, None, geo.tile, None, d),
                                       lambda j, g, b: (b, j, 0, g, 0))
     dk, dv = pallas_call(
-        _dkv_reduce_kernel, name="nsa_selected_attention_dkv_reduce", num_warps=4, num_stages=1,
+        functools.partial(_dkv_reduce_kernel, parts=geo.dk_parts),
+        name="nsa_selected_attention_dkv_reduce", num_warps=4, num_stages=1,
         interpret=interpret, debug=debug, grid=(nb, G, B),
         in_specs=[pl.BlockSpec((None, None, nb + 1), lambda j, g, b: (b, g, 0)),
                   parts_spec(geo.dk_pad), parts_spec(geo.dv_pad)],
@@ -523,8 +583,9 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
     check_kernel_dtype("selected_attention", q.dtype)
     if geo.B == 0:  # an empty batch: no grid to launch (its blocks would be out of bounds)
         return jnp.zeros((0, geo.T, geo.H, geo.d_v), q.dtype)
-    return _selected_attention(q, k, v, block_idx, geo, scale, block_sizes or BlockSizes(),
-                               interpret, debug)
+    bs = block_sizes or BlockSizes()
+    geo = dataclasses.replace(geo, split_dk=bs.split_dk)
+    return _selected_attention(q, k, v, block_idx, geo, scale, bs, interpret, debug)
 
 
 class Stages(NamedTuple):
@@ -544,9 +605,9 @@ def selected_attention_stages(q, k, v, block_idx, block_size: int, scale: float 
                               interpret: bool = False) -> Stages:
     """The stages of `selected_attention`'s forward and backward for these shapes (the arrays
     are only read for their shapes and dtypes, and `block_idx` is bound into the stages)."""
-    geo = _validate(q, k, v, block_idx, block_size)
-    scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     bs = block_sizes or BlockSizes()
+    geo = dataclasses.replace(_validate(q, k, v, block_idx, block_size), split_dk=bs.split_dk)
+    scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     rest = (geo, scale, bs, interpret, False)
     chunk = _dkv_chunk(geo, bs)
     return Stages(

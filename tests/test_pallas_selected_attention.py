@@ -172,6 +172,32 @@ def test_stages_compose_to_the_kernel():
     assert item_block.shape[-1] >= stages.dkv_work_items > 0
 
 
+def test_dk_parts():
+    """d_k enters the products whole (a power of two), as two power-of-two parts >= 16
+    (`split_dk`), or padded to the next power of two."""
+    from pallas_kernels.selected_attention import _Geometry
+
+    def parts(d_k, split=True):
+        return _Geometry(B=1, T=8, H=2, G=1, d_k=d_k, d_v=8, n_sel=1, l_sel=16,
+                         split_dk=split).dk_parts
+
+    assert parts(128) == ((0, 128),) and parts(8) == ((0, 16),)
+    assert parts(192) == ((0, 128), (128, 64)) and parts(96) == ((0, 64), (64, 32))
+    assert parts(80) == ((0, 64), (64, 16))
+    assert parts(192, split=False) == ((0, 256),)
+    assert parts(40) == ((0, 64),) and parts(24) == ((0, 32),)   # a part under 16: padded
+    assert parts(200) == ((0, 256),)                             # not two powers of two
+
+
+@pytest.mark.parametrize("d_k,split", [(48, True), (48, False), (96, True)])
+def test_dk_split_into_two_parts(d_k, split):
+    """The split products (d_k = 32 + 16, 64 + 32) against the reference, forward and every
+    gradient, and the padded form for the same shapes."""
+    inputs = make_inputs(20 + d_k, 1, 45, 4, 2, d_k, 8, 4, 16, jnp.float32)
+    check_against_reference(*inputs, 16, interpret=True,
+                            block_sizes=BlockSizes(dkv_chunk=7, split_dk=split))
+
+
 # --- GPU: the compiled Triton kernels -----------------------------------------------------------
 
 @gpu
@@ -236,7 +262,8 @@ def test_gpu_256k_tokens_no_offset_overflow():
 
 
 @pytest.mark.parametrize("B,T,H,G,d_k,d_v,l_sel,n_sel,dtype", [
-    (1, 300, 64, 4, 192, 128, 64, 16, jnp.bfloat16),   # the paper's shapes
+    (1, 300, 64, 4, 192, 128, 64, 16, jnp.bfloat16),   # the paper's shapes (128 + 64)
+    (1, 100, 8, 2, 96, 64, 32, 4, jnp.bfloat16),       # 64 + 32
     (2, 100, 2, 2, 24, 8, 12, 5, jnp.float32),         # h = 1, nothing a power of two
     (1, 100, 32, 1, 16, 16, 16, 4, jnp.float16),
 ])
