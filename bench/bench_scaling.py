@@ -95,7 +95,8 @@ def _layer_step(cfg, mesh, axes, backend: str, pass_name: str):
 
 
 def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
-    """Time both passes of one point; returns one record per pass."""
+    """Time each pass of one point; returns one record per pass (with its status: a pass that
+    fails or runs out of memory is a row of its own)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -128,13 +129,18 @@ def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
     moved = sharding.context_bytes_per_layer(cfg, T, context, batch=B // data, model=model,
                                              itemsize=dtype.itemsize)["total"] / 2**20
     for pass_name in args.passes:
-        compiled = _layer_step(cfg, mesh, axes, args.backend, pass_name).lower(
-            params, xs[0]).compile()
-        timing = common.time_jax(lambda i: compiled(params, xs[i % len(xs)]), iters=args.iters,
-                                 warmup=args.warmup, repeats=args.repeats)
-        records.append(dict(pass_=pass_name, ms=timing.ms, ms_min=timing.ms_min,
-                            ms_max=timing.ms_max, tokens_per_s=B * T / (timing.ms * 1e-3),
-                            context_mib=moved,
+        try:
+            compiled = _layer_step(cfg, mesh, axes, args.backend, pass_name).lower(
+                params, xs[0]).compile()
+            timing = common.time_jax(lambda i: compiled(params, xs[i % len(xs)]),
+                                     iters=args.iters, warmup=args.warmup, repeats=args.repeats)
+        except Exception as exc:  # an OOM of the backward keeps the forward's row
+            records.append(dict(pass_=pass_name, status=common.classify_exception(exc),
+                                note=common.short_error(exc) + common.debug_traceback()))
+            continue
+        records.append(dict(pass_=pass_name, status=common.OK, note="", ms=timing.ms,
+                            ms_min=timing.ms_min, ms_max=timing.ms_max,
+                            tokens_per_s=B * T / (timing.ms * 1e-3), context_mib=moved,
                             peak_mb_per_device=common.mb(common.jax_compiled_peak_bytes(compiled))))
     return records
 
@@ -195,34 +201,36 @@ def main(argv=None) -> int:
     cfg = args.cfg
     device, commit = args.device_label, common.git_commit()
     widest = widest_context(args.meshes)
-    done: dict[tuple, tuple[str, str, list]] = {}
+    done: dict[tuple, list[dict[str, Any]]] = {}
     rows = []
     for point in points(args):
         shape = (point["data"], point["model"], point["context"], point["B"], point["T"])
         if shape not in done:
             try:
-                done[shape] = (common.OK, "", run_point(args, cfg, point))
+                done[shape] = run_point(args, cfg, point)
             except common.Skip as why:
-                done[shape] = (common.SKIPPED, f"skipped: {why}", [])
-            except Exception as exc:  # an OOM or a failure is a row, not the end of the run
-                done[shape] = (common.classify_exception(exc),
-                               common.short_error(exc) + common.debug_traceback(), [])
-        status, note, timed = done[shape]
-        by_pass = {r["pass_"]: r for r in timed}
+                done[shape] = [dict(pass_=p, status=common.SKIPPED, note=f"skipped: {why}")
+                               for p in args.passes]
+            except Exception as exc:  # a failure before the passes is a row, not the end
+                status = common.classify_exception(exc)
+                note = common.short_error(exc) + common.debug_traceback()
+                done[shape] = [dict(pass_=p, status=status, note=note) for p in args.passes]
+        by_pass = {r["pass_"]: r for r in done[shape]}
         devices = point["data"] * point["model"] * point["context"]
         for pass_name in args.passes:
-            timing = {k: v for k, v in by_pass.get(pass_name, {}).items() if k != "pass_"}
+            record = {k: v for k, v in by_pass[pass_name].items() if k != "pass_"}
             rows.append(dict(
                 bench="scaling", scaling=point["scaling"],
                 mesh=f"{point['data']}x{point['model']}x{point['context']}", data=point["data"],
                 model=point["model"], context=point["context"], devices=devices,
                 **{"pass": pass_name}, backend=args.backend, preset=args.preset,
                 dtype=args.dtype, B=point["B"], T=point["T"],
-                tokens_per_device=point["B"] * point["T"] // devices, status=status, note=note,
-                device=device, commit=commit, **timing))
+                tokens_per_device=point["B"] * point["T"] // devices, device=device,
+                commit=commit, **record))
         print(f"{point['scaling']:6s} {rows[-1]['mesh']:7s} B={point['B']} T={point['T']}: "
-              f"{status} {note} " + " ".join(f"{r['pass']} {r['ms']:.2f} ms" for r in
-                                             rows[-len(args.passes):] if r.get("ms")),
+              + "; ".join(f"{r['pass']} " + (f"{r['ms']:.2f} ms" if r.get("ms") else
+                                            f"{r['status']} {r['note']}")
+                          for r in rows[-len(args.passes):]),
               file=sys.stderr, flush=True)
         add_efficiency(rows, args.meshes[0], widest)
         common.write_csv(args.csv, rows, COLUMNS)

@@ -113,3 +113,29 @@ def test_bench_scaling_weak_efficiency_per_tokens():
             row("weak", "1x1x1", 64, 10.0), row("weak", "1x1x2", 128, 20.0)]
     bench_scaling.add_efficiency(rows, (1, 1, 1), widest=2)
     assert [r["efficiency"] for r in rows] == [1.0, 10 / 12, 1.0, 0.75, 1.0, 0.8, 1.0, 0.5]
+
+
+def test_bench_scaling_keeps_the_forward_when_the_backward_runs_out_of_memory(tmp_path,
+                                                                              monkeypatch):
+    """A pass that runs out of memory is an `oom` row of its own: the forward's timing of the
+    same point stays (R58 lost a 1M forward to its backward's OOM)."""
+    from bench import bench_scaling, common
+
+    real = bench_scaling._layer_step
+
+    def layer_step(cfg, mesh, axes, backend, pass_name):
+        if pass_name == "fwd_bwd":
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real(cfg, mesh, axes, backend, pass_name)
+
+    monkeypatch.setattr(bench_scaling, "_layer_step", layer_step)
+    path = tmp_path / "scaling.csv"
+    assert bench_scaling.main(["--device", "cpu", "--preset", "tiny", "--tokens", "32",
+                               "--meshes", "1x1x1", "--scaling", "strong", "--dtype", "float32",
+                               "--iters", "1", "--warmup", "1", "--repeats", "1",
+                               "--csv", str(path)]) == 0
+    rows = {r["pass"]: r for r in common.read_csv(str(path))}
+    assert rows["fwd"]["status"] == "ok" and float(rows["fwd"]["ms"]) > 0
+    assert float(rows["fwd"]["efficiency"]) == 1
+    assert rows["fwd_bwd"]["status"] == "oom" and rows["fwd_bwd"]["ms"] == ""
+    assert "RESOURCE_EXHAUSTED" in rows["fwd_bwd"]["note"]
