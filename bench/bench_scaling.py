@@ -18,6 +18,12 @@ by both modes (same mesh, B and T) run once. The CSV is rewritten after every po
 cut short keeps the rows it finished. A row that does not fit (mesh vs shapes, Pallas
 with a context axis) is "skipped" with the reason; an OOM is "oom".
 
+Memory: an OOM inside a multi-device program leaves its peers waiting in NCCL (the run hangs
+until its time limit), and a long run's allocator state can make a large point fail that fits
+alone. For the largest points run one pass and one mesh per process (`--passes fwd_bwd
+--meshes 1x4x1`) with `TF_GPU_ALLOCATOR=cuda_malloc_async`: 1M tokens on 4 H200s failed in a
+long run and fit that way (bench/RESULTS.md, R58 / R59).
+
 Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,1x4x2,2x2x2
 CPU smoke:        XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
                       python bench/bench_scaling.py --device cpu --preset tiny --tokens 64 \\
