@@ -741,7 +741,7 @@ def main(argv=None) -> int:
                 for S in args.S:
                     for p in PASSES:
                         if (S, p) not in done:
-                            status = common.TIMEOUT if failure == common.TIMEOUT else ERROR
+                            status = common.failure_status(failure)
                             new.append(dict(_base_record(args, row, S), **{"pass": p},
                                             status=status, note=failure or "no result"))
                 records += new

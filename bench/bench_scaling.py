@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from typing import Any
 
 if __package__ in (None, ""):
@@ -186,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pallas: Pallas kernels with XLA fallback (meshes without context)")
     p.add_argument("--csv", default=os.path.join(common.REPO_ROOT, "bench", "results",
                                                  "scaling_latest.csv"))
+    p.add_argument("--isolate", action="store_true",
+                   help="run each point's each pass in a fresh process (its own allocator); one "
+                        "that outlives --point_timeout (an OOM on one device leaves the others "
+                        "waiting in NCCL) is killed and written as a 'timeout' row")
+    p.add_argument("--point_timeout", type=float, default=1200.0,
+                   help="seconds per isolated pass, compile included (with --isolate)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -202,25 +211,61 @@ def parse_args(argv=None):
     return args
 
 
+def measure(args, cfg, point: dict, passes: list[str]) -> list[dict[str, Any]]:
+    """`run_point` for `passes` in this process; a skip or a failure before the passes gives
+    one record per pass with its status."""
+    try:
+        return run_point(argparse.Namespace(**{**vars(args), "passes": passes}), cfg, point)
+    except common.Skip as why:
+        return [dict(pass_=p, status=common.SKIPPED, note=f"skipped: {why}") for p in passes]
+    except Exception as exc:  # a failure before the passes is a row, not the end
+        status = common.classify_exception(exc)
+        note = common.short_error(exc) + common.debug_traceback()
+        return [dict(pass_=p, status=status, note=note) for p in passes]
+
+
+def worker_key(point: dict, pass_name: str) -> str:
+    """One isolated pass of a point, as `--worker` takes it: `DxMxC-B<B>-T<T>-<pass>`."""
+    return (f"{point['data']}x{point['model']}x{point['context']}-B{point['B']}-T{point['T']}"
+            f"-{pass_name}")
+
+
+def parse_worker_key(key: str) -> tuple[dict, str]:
+    mesh, batch, tokens, pass_name = key.split("-")
+    (data, model, context), = parse_meshes(mesh)
+    return dict(data=data, model=model, context=context, B=int(batch[1:]),
+                T=int(tokens[1:])), pass_name
+
+
+def measure_isolated(args, argv, point: dict, tmp_dir: str) -> list[dict[str, Any]]:
+    """Each pass of `point` in its own process (`common.run_row_subprocess`)."""
+    records = []
+    for pass_name in args.passes:
+        got, failure = common.run_row_subprocess(os.path.abspath(__file__), argv,
+                                                 worker_key(point, pass_name),
+                                                 args.point_timeout, tmp_dir)
+        records += got or [dict(pass_=pass_name, note=failure or "no result",
+                                status=common.failure_status(failure))]
+    return records
+
+
 def main(argv=None) -> int:
-    _, args = common.start(parse_args, argv)
+    argv, args = common.start(parse_args, argv)
     cfg = args.cfg
+    if args.worker:  # one isolated pass of one point: write its record and leave
+        point, pass_name = parse_worker_key(args.worker)
+        common.save_records(args.worker_out, measure(args, cfg, point, [pass_name]))
+        return 0
     device, commit = args.device_label, common.git_commit()
     widest = widest_context(args.meshes)
     done: dict[tuple, list[dict[str, Any]]] = {}
     rows = []
+    tmp = tempfile.TemporaryDirectory(prefix="bench_scaling_")
     for point in points(args):
         shape = (point["data"], point["model"], point["context"], point["B"], point["T"])
         if shape not in done:
-            try:
-                done[shape] = run_point(args, cfg, point)
-            except common.Skip as why:
-                done[shape] = [dict(pass_=p, status=common.SKIPPED, note=f"skipped: {why}")
-                               for p in args.passes]
-            except Exception as exc:  # a failure before the passes is a row, not the end
-                status = common.classify_exception(exc)
-                note = common.short_error(exc) + common.debug_traceback()
-                done[shape] = [dict(pass_=p, status=status, note=note) for p in args.passes]
+            done[shape] = (measure_isolated(args, argv, point, tmp.name) if args.isolate
+                           else measure(args, cfg, point, args.passes))
         by_pass = {r["pass_"]: r for r in done[shape]}
         devices = point["data"] * point["model"] * point["context"]
         for pass_name in args.passes:
@@ -244,6 +289,7 @@ def main(argv=None) -> int:
         [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),
           r["status"]] for r in rows],
         ["scaling", "mesh", "pass", "B", "T", "ms", "efficiency", "status"]))
+    tmp.cleanup()
     print(f"wrote {args.csv}")
     return 0
 

@@ -606,6 +606,12 @@ def run_row_subprocess(script: str, argv: Sequence[str], row: str, timeout_s: fl
     return records, failure
 
 
+def failure_status(failure: Optional[str]) -> str:
+    """The status of a row that `run_row_subprocess` returned no record for: TIMEOUT when the
+    worker was killed at its time limit (the note starts with it), else ERROR."""
+    return TIMEOUT if failure and failure.startswith(TIMEOUT) else ERROR
+
+
 def save_records(path: str, records: Iterable[Mapping[str, Any]]) -> None:
     """The worker's partial results, rewritten after every point so a crash keeps what finished."""
     tmp = path + ".tmp"

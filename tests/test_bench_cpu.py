@@ -412,3 +412,14 @@ def test_fused_engines_cpu_writes_skip_rows(tmp_path, cpu_env):
     assert header == ",".join(bench_fused_engines.COLUMNS)
     with pytest.raises(ValueError, match="--S_list"):
         bench_fused_engines.main(["--device", "cpu", "--S_list", "x", "--out", str(tmp_path)])
+
+
+def test_failure_status_of_an_isolated_row():
+    """A worker killed at its time limit is TIMEOUT even when the note carries its log's tail
+    (run_row_subprocess appends it when no record came back); any other failure is ERROR."""
+    from bench import common
+
+    assert common.failure_status("timeout: ...compiling") == common.TIMEOUT
+    assert common.failure_status(common.TIMEOUT) == common.TIMEOUT
+    assert common.failure_status("worker exit 1: Traceback") == common.ERROR
+    assert common.failure_status(None) == common.ERROR

@@ -139,3 +139,26 @@ def test_bench_scaling_keeps_the_forward_when_the_backward_runs_out_of_memory(tm
     assert float(rows["fwd"]["efficiency"]) == 1
     assert rows["fwd_bwd"]["status"] == "oom" and rows["fwd_bwd"]["ms"] == ""
     assert "RESOURCE_EXHAUSTED" in rows["fwd_bwd"]["note"]
+
+
+def test_bench_scaling_isolated_points(tmp_path):
+    """--isolate: each pass of each point runs in its own process and gives the same rows as
+    in-process (status ok, timed); a pass that outlives --point_timeout is a 'timeout' row."""
+    from bench import bench_scaling, common
+
+    point = dict(data=2, model=1, context=4, B=3, T=4096)
+    assert bench_scaling.parse_worker_key(bench_scaling.worker_key(point, "fwd_bwd")) == (
+        point, "fwd_bwd")
+    base = ["--device", "cpu", "--preset", "tiny", "--tokens", "32", "--meshes", "1x1x1",
+            "--scaling", "strong", "--dtype", "float32", "--iters", "1", "--warmup", "0",
+            "--repeats", "1", "--isolate"]
+    path = tmp_path / "scaling.csv"
+    assert bench_scaling.main(base + ["--csv", str(path)]) == 0
+    rows = common.read_csv(str(path))
+    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "ok"), ("fwd_bwd", "ok")]
+    assert all(float(r["ms"]) > 0 and float(r["peak_mb_per_device"]) > 0 for r in rows)
+    assert bench_scaling.main(base + ["--csv", str(path), "--point_timeout", "0.5"]) == 0
+    rows = common.read_csv(str(path))
+    assert [(r["pass"], r["status"]) for r in rows] == [("fwd", "timeout"),
+                                                         ("fwd_bwd", "timeout")]
+    assert all(r["ms"] == "" for r in rows)
