@@ -20,9 +20,10 @@ with a context axis) is "skipped" with the reason; an OOM is "oom".
 
 Memory: an OOM inside a multi-device program leaves its peers waiting in NCCL (the run hangs
 until its time limit), and a long run's allocator state can make a large point fail that fits
-alone. For the largest points run one pass and one mesh per process (`--passes fwd_bwd
---meshes 1x4x1`) with `TF_GPU_ALLOCATOR=cuda_malloc_async`: 1M tokens on 4 H200s failed in a
-long run and fit that way (bench/RESULTS.md, R58 / R59).
+alone: 1M tokens on 4 H200s failed in a long run and fit in a process of its own with
+`TF_GPU_ALLOCATOR=cuda_malloc_async` (bench/RESULTS.md, R58 / R59). `--isolate` runs each pass
+of each point in a fresh process and kills one that outlives `--point_timeout` (a "timeout"
+row); it costs a start-up and a compile per pass.
 
 Example (8 GPUs): python bench/bench_scaling.py --meshes 1x1x1,1x1x2,1x1x4,1x1x8,1x4x2,2x2x2
 CPU smoke:        XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
