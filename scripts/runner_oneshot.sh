@@ -193,7 +193,7 @@ multi_gpu() {
     --junitxml="$ART/pytest_multi_gpu.xml" || return 1
   # shellcheck disable=SC2086
   "$PY" bench/bench_scaling.py --preset bench --dtype bfloat16 --backend pallas \
-    --meshes 1x1x1,1x2x1,2x1x1 --tokens "$MULTI_GPU_TOKENS" --iters 3 --warmup 1 --repeats 2 \
+    --meshes 1x1x1,1x2x1,2x1x1,1x4x1,4x1x1 --tokens "$MULTI_GPU_TOKENS" --iters 3 --warmup 1 --repeats 2 --isolate \
     --csv "$ART/bench/scaling.csv" ${MULTI_GPU_ARGS:-}
 }
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
