@@ -348,15 +348,18 @@ def _block_mlp(blk: dict, h: jax.Array) -> jax.Array:
     return h + mlp(blk["mlp"], rms_norm(h, blk["norm2"]))
 
 
-def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = False):
+def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = False,
+            layer_backends: Optional[list] = None):
     """tokens int `[B, T]` -> final hidden states `[B, T, D]`, and with `collect` (NSA) a list
-    per layer of (layer input after the norm, the layer's aux dict)."""
+    per layer of (layer input after the norm, the layer's aux dict). layer_backends: an NSA
+    dispatch backend per layer (None: `mc.backend` everywhere)."""
     h = params["embed"][tokens]
     layers = []
-    for blk in params["blocks"]:
+    for i, blk in enumerate(params["blocks"]):
         a = rms_norm(h, blk["norm1"])
         if mc.attention == "nsa":
-            y, aux = nsa_jax.nsa_attention(blk["attn"], a, mc.nsa, backend=mc.backend,
+            backend = mc.backend if layer_backends is None else layer_backends[i]
+            y, aux = nsa_jax.nsa_attention(blk["attn"], a, mc.nsa, backend=backend,
                                            return_aux=True)
             layers.append((a, aux))
         else:
@@ -503,6 +506,47 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
         out[f"l{i}_hit"] = (block_idx == key_block).any(-1).mean()
         out[f"l{i}_cmp_mass"], out[f"l{i}_cmp_uniform"] = compressed_mass(
             params["blocks"][i]["attn"], a, q_pos, key_pos, cfg)
+    return out
+
+
+EXCLUDE_BACKEND = "recall_exclude_key_blocks"
+
+
+def exclude_key_blocks(key_pos: np.ndarray, cfg: NSAConfig, fallback: str) -> str:
+    """Register (again) a dispatch backend whose selection is `fallback`'s with the blocks
+    holding each row's queried keys (`key_pos [B, K]`) removed from every query's selected
+    blocks (their slots become -1, no block), and return its name. The ablation of
+    `ablation_accuracy`: what the selected branch of a layer contributes by reading the key's
+    block, anywhere in the sequence."""
+    blocks = jnp.asarray(np.asarray(key_pos) // cfg.sel_block, jnp.int32)    # [B, K]
+
+    def select(q, k_cmp, cfg, **kwargs):
+        idx = nsa_jax.dispatch.call("select_blocks", fallback, q, k_cmp, cfg, **kwargs)
+        hit = (idx[..., None] == blocks[:, None, None, None, :]).any(-1)
+        return jnp.where(hit, -1, idx)
+
+    nsa_jax.dispatch.register_backend("select_blocks", EXCLUDE_BACKEND, select)
+    return EXCLUDE_BACKEND
+
+
+def ablation_accuracy(params, tokens, answers, key_pos, *, mc: ModelConfig,
+                      task: Task) -> dict:
+    """Eval accuracy with the queried keys' blocks removed from the selection of layer 0, of the
+    last layer, and of every layer (`exclude_key_blocks`): whether the model retrieves through
+    the selected branch, and in which layer."""
+    fallback = mc.backend if isinstance(mc.backend, str) else tuple(mc.backend)
+    name = exclude_key_blocks(key_pos, mc.nsa, fallback)
+    ablated = (name, *([fallback] if isinstance(fallback, str) else fallback))
+    plain = [mc.backend] * mc.n_layers
+    T = tokens.shape[1]
+    q_pos = np.arange(T - task.tail, T, 2)
+    out = {}
+    for label, layers in (("first", [0]), ("last", [mc.n_layers - 1]),
+                          ("all", list(range(mc.n_layers)))):
+        backends = [ablated if i in layers else b for i, b in enumerate(plain)]
+        h = forward(params, tokens, mc, layer_backends=backends)
+        logits = logits_at(params, h[:, q_pos]).astype(jnp.float32)
+        out[f"acc_excl_{label}"] = float((jnp.argmax(logits, -1) == answers).mean())
     return out
 
 
@@ -669,6 +713,11 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
     if mc.attention == "nsa":
         summary["hit_layer"] = hit_layer
         summary["hit_chance"] = selection_chance(task, args.T, mc.nsa)
+        if args.ablate:
+            ablation = ablation_accuracy(params, *eval_arrays, mc=mc, task=task)
+            summary.update(ablation)
+            log(f"  {task.name:6s} {run.label:18s} key blocks out of the selection: " + "  ".join(
+                f"{k} {v:.3f}" for k, v in ablation.items()))
         if args.gen_tokens > 0:
             gen = check_generation(params, {k: v[:args.gen_batch] for k, v in eval_batch.items()},
                                    task, mc, args.gen_tokens, args.decode_backend)
@@ -686,8 +735,8 @@ def acc_at_wall(rows: list, wall_s: float) -> Optional[float]:
 
 SUMMARY_COLUMNS = ("task", "model", "steps", "final_acc", "best_acc", "acc_at_full_wall",
                    "acc_at_full_steps", "final_loss", "ms_per_step", "compile_s", "train_s",
-                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "gen_match",
-                   "gen_logit_err", "gen_acc")
+                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "acc_excl_first",
+                   "acc_excl_last", "acc_excl_all", "gen_match", "gen_logit_err", "gen_acc")
 
 
 def equal_budget_columns(curves: dict, summaries: list) -> None:
@@ -787,6 +836,10 @@ def parse_args(argv=None):
                              "weights for the parameters they share (embeddings, norms, MLPs, "
                              "head, wq, wk/wv['sel'], wo); own: NSA's own draw (before "
                              "2026-11-25)")
+    parser.add_argument("--ablate", action="store_true",
+                        help="NSA runs: also evaluate with the queried keys' blocks removed from "
+                             "the selection of the first, the last and every layer "
+                             "(acc_excl_* columns)")
     parser.add_argument("--gen_tokens", type=int, default=4,
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():

@@ -256,3 +256,34 @@ def test_a_task_that_does_not_fit_a_curriculum_length_fails_before_training(tmp_
     else:
         raise AssertionError("no ValueError")
     assert not os.listdir(tmp_path)
+
+
+def test_ablation_takes_the_key_blocks_out_of_the_selection():
+    """`exclude_key_blocks`: the selection of a layer on the ablating backend is the plain one
+    with every slot holding a block of the row's queried keys set to -1 (and nothing else
+    changed); with n_sel covering every block (everything selected, the selected branch is full
+    attention) the ablation changes that layer's output. `ablation_accuracy` reports the three
+    accuracies."""
+    cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=8,
+                    cmp_stride=4, sel_block=16, n_sel=8, window=16)
+    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
+    task = train_recall.Task("mqar", n_pairs=4, n_queries=4)
+    mc = train_recall.ModelConfig("nsa", cfg, vocab.size)
+    params = train_recall.init_model(jax.random.PRNGKey(1), mc)
+    batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 3, 128, cfg)
+    tokens, key_pos = jnp.asarray(batch["tokens"]), np.asarray(batch["key_pos"])
+    x = jax.random.normal(jax.random.PRNGKey(2), (3, 128, cfg.d_model))
+    attn = params["blocks"][0]["attn"]
+    name = train_recall.exclude_key_blocks(key_pos, cfg, "xla")
+    y_plain, plain = nsa_jax.nsa_attention(attn, x, cfg, return_aux=True)
+    y_cut, cut = nsa_jax.nsa_attention(attn, x, cfg, backend=(name, "xla"), return_aux=True)
+    plain, cut = np.asarray(plain["block_idx"]), np.asarray(cut["block_idx"])
+    key_blocks = key_pos // cfg.sel_block                                     # [B, K]
+    is_key = (plain[..., None] == key_blocks[:, None, None, None, :]).any(-1)
+    assert is_key.any()                    # 8 of 8 blocks selected: every key block is there
+    np.testing.assert_array_equal(cut, np.where(is_key, -1, plain))
+    assert float(jnp.max(jnp.abs(y_cut - y_plain))) > 1e-3
+    out = train_recall.ablation_accuracy(params, tokens, jnp.asarray(batch["answers"]),
+                                         key_pos, mc=mc, task=task)
+    assert set(out) == {"acc_excl_first", "acc_excl_last", "acc_excl_all"}
+    assert all(0.0 <= v <= 1.0 for v in out.values())
