@@ -512,38 +512,52 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
 EXCLUDE_BACKEND = "recall_exclude_key_blocks"
 
 
-def exclude_key_blocks(key_pos: np.ndarray, cfg: NSAConfig, fallback: str) -> str:
+def exclude_key_blocks(key_pos: np.ndarray, cfg: NSAConfig, fallback,
+                       positions: Optional[np.ndarray] = None) -> str:
     """Register (again) a dispatch backend whose selection is `fallback`'s with the blocks
-    holding each row's queried keys (`key_pos [B, K]`) removed from every query's selected
-    blocks (their slots become -1, no block), and return its name. The ablation of
-    `ablation_accuracy`: what the selected branch of a layer contributes by reading the key's
-    block, anywhere in the sequence."""
+    holding each row's queried keys (`key_pos [B, K]`) removed from the selected blocks (their
+    slots become -1, no block) of the queries at `positions` (a bool mask `[T]`; None: every
+    query), and return its name. The ablation of `ablation_accuracy`: what the selected branch
+    of a layer contributes by reading the key's block."""
     blocks = jnp.asarray(np.asarray(key_pos) // cfg.sel_block, jnp.int32)    # [B, K]
 
     def select(q, k_cmp, cfg, **kwargs):
         idx = nsa_jax.dispatch.call("select_blocks", fallback, q, k_cmp, cfg, **kwargs)
         hit = (idx[..., None] == blocks[:, None, None, None, :]).any(-1)
+        if positions is not None:
+            hit = hit & jnp.asarray(positions)[None, :, None, None]
         return jnp.where(hit, -1, idx)
 
     nsa_jax.dispatch.register_backend("select_blocks", EXCLUDE_BACKEND, select)
     return EXCLUDE_BACKEND
 
 
+# (label, layers, positions): the queried keys' blocks taken out of the selection of those
+# layers, at every query, at the answer positions only, or at every other position.
+ABLATIONS = (("first", "first", "all"), ("first_at_query", "first", "query"),
+             ("first_elsewhere", "first", "others"), ("last", "last", "all"),
+             ("last_at_query", "last", "query"), ("all", "all", "all"))
+
+
 def ablation_accuracy(params, tokens, answers, key_pos, *, mc: ModelConfig,
                       task: Task) -> dict:
-    """Eval accuracy with the queried keys' blocks removed from the selection of layer 0, of the
-    last layer, and of every layer (`exclude_key_blocks`): whether the model retrieves through
-    the selected branch, and in which layer."""
+    """Eval accuracy with the queried keys' blocks removed from the selection (`ABLATIONS`:
+    of layer 0, of the last layer, of every layer; at the answer positions or elsewhere):
+    whether the model retrieves through the selected branch, in which layer, and whether at
+    the answer's own position or through other tokens."""
     fallback = mc.backend if isinstance(mc.backend, str) else tuple(mc.backend)
-    name = exclude_key_blocks(key_pos, mc.nsa, fallback)
-    ablated = (name, *([fallback] if isinstance(fallback, str) else fallback))
-    plain = [mc.backend] * mc.n_layers
+    ablated = (EXCLUDE_BACKEND, *([fallback] if isinstance(fallback, str) else fallback))
     T = tokens.shape[1]
     q_pos = np.arange(T - task.tail, T, 2)
+    at_query = np.zeros(T, bool)
+    at_query[q_pos] = True
+    layer_sets = {"first": [0], "last": [mc.n_layers - 1], "all": list(range(mc.n_layers))}
     out = {}
-    for label, layers in (("first", [0]), ("last", [mc.n_layers - 1]),
-                          ("all", list(range(mc.n_layers)))):
-        backends = [ablated if i in layers else b for i, b in enumerate(plain)]
+    for label, layers, where in ABLATIONS:
+        exclude_key_blocks(key_pos, mc.nsa, fallback,
+                           {"all": None, "query": at_query, "others": ~at_query}[where])
+        backends = [ablated if i in layer_sets[layers] else mc.backend
+                    for i in range(mc.n_layers)]
         h = forward(params, tokens, mc, layer_backends=backends)
         logits = logits_at(params, h[:, q_pos]).astype(jnp.float32)
         out[f"acc_excl_{label}"] = float((jnp.argmax(logits, -1) == answers).mean())
@@ -735,8 +749,9 @@ def acc_at_wall(rows: list, wall_s: float) -> Optional[float]:
 
 SUMMARY_COLUMNS = ("task", "model", "steps", "final_acc", "best_acc", "acc_at_full_wall",
                    "acc_at_full_steps", "final_loss", "ms_per_step", "compile_s", "train_s",
-                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "acc_excl_first",
-                   "acc_excl_last", "acc_excl_all", "gen_match", "gen_logit_err", "gen_acc")
+                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass",
+                   *(f"acc_excl_{label}" for label, _, _ in ABLATIONS), "gen_match",
+                   "gen_logit_err", "gen_acc")
 
 
 def equal_budget_columns(curves: dict, summaries: list) -> None:
@@ -838,8 +853,9 @@ def parse_args(argv=None):
                              "2026-11-25)")
     parser.add_argument("--ablate", action="store_true",
                         help="NSA runs: also evaluate with the queried keys' blocks removed from "
-                             "the selection of the first, the last and every layer "
-                             "(acc_excl_* columns)")
+                             "the selection of the first, the last and every layer, at every "
+                             "query, at the answers' positions or elsewhere (acc_excl_* "
+                             "columns, `ABLATIONS`)")
     parser.add_argument("--gen_tokens", type=int, default=4,
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():

@@ -285,5 +285,12 @@ def test_ablation_takes_the_key_blocks_out_of_the_selection():
     assert float(jnp.max(jnp.abs(y_cut - y_plain))) > 1e-3
     out = train_recall.ablation_accuracy(params, tokens, jnp.asarray(batch["answers"]),
                                          key_pos, mc=mc, task=task)
-    assert set(out) == {"acc_excl_first", "acc_excl_last", "acc_excl_all"}
+    assert set(out) == {f"acc_excl_{label}" for label, _, _ in train_recall.ABLATIONS}
     assert all(0.0 <= v <= 1.0 for v in out.values())
+    # At some positions only: the other positions keep the plain selection.
+    positions = np.zeros(128, bool)
+    positions[100:] = True
+    train_recall.exclude_key_blocks(key_pos, cfg, "xla", positions)
+    _, part = nsa_jax.nsa_attention(attn, x, cfg, backend=(name, "xla"), return_aux=True)
+    np.testing.assert_array_equal(np.asarray(part["block_idx"]),
+                                  np.where(is_key & positions[None, :, None, None], -1, plain))
