@@ -64,7 +64,10 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kernels
+# Kernels. `stride_x` is tensor x's `.stride()` tuple, in x's axis order (B, T, H or G, D; lse
+# B, T, H; block_idx B, T, G, slot). Triton specializes each element as it would a separate
+# argument (a unit stride becomes a constant): the PTX for sm90 is byte-identical to the one
+# with one argument per stride (Triton 3.6 and 3.9, compiled on a CPU host).
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -79,7 +82,7 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+def _sel_prologue(Q, SEQ_START, stride_q, G,
                   HPG: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
                   BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr):
@@ -104,8 +107,8 @@ def _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
     mask_dv = offs_dv < D_V
     head = (g * HPG + offs_h).to(tl.int64)
 
-    q = tl.load(Q + b64 * stride_qb + t64 * stride_qt + head[:, None] * stride_qh
-                + offs_dk[None, :] * stride_qd,
+    q = tl.load(Q + b64 * stride_q[0] + t64 * stride_q[1] + head[:, None] * stride_q[2]
+                + offs_dk[None, :] * stride_q[3],
                 mask=mask_h[:, None] & mask_dk[None, :], other=0.0)
     seq_start = 0
     if VARLEN:
@@ -150,12 +153,7 @@ def _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk, mask_dk,
 @triton.jit
 def _sel_fwd_kernel(
     Q, K, V, IDX, SEQ_START, O, LSE,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kg, stride_kd,
-    stride_vb, stride_vt, stride_vg, stride_vd,
-    stride_ib, stride_it, stride_ig, stride_is,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_lb, stride_lt, stride_lh,
+    stride_q, stride_k, stride_v, stride_i, stride_o, stride_l,
     G, scale,
     HPG: tl.constexpr, N_SEL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr,
@@ -163,20 +161,20 @@ def _sel_fwd_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     (t, g, t64, b64, head, offs_n, offs_dk, offs_dv, mask_h, mask_dk, mask_dv, q,
-     seq_start) = _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+     seq_start) = _sel_prologue(Q, SEQ_START, stride_q, G,
                                 HPG, D_K, D_V, BLOCK_H, BLOCK_N, BLOCK_DK, BLOCK_DV, VARLEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    idx_base = IDX + b64 * stride_ib + t64 * stride_it + g * stride_ig
-    k_base = K + b64 * stride_kb + g * stride_kg
-    v_base = V + b64 * stride_vb + g * stride_vg
+    idx_base = IDX + b64 * stride_i[0] + t64 * stride_i[1] + g * stride_i[2]
+    k_base = K + b64 * stride_k[0] + g * stride_k[2]
+    v_base = V + b64 * stride_v[0] + g * stride_v[2]
     for s in range(N_SEL):
-        blk_start = _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE)
+        blk_start = _sel_block_start(idx_base, s, stride_i[3], seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
             kmask, kpos64, k = _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk,
-                                             mask_dk, stride_kt, stride_kd, BLOCK_SIZE)
+                                             mask_dk, stride_k[1], stride_k[3], BLOCK_SIZE)
             scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
             scores = tl.where(kmask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -185,29 +183,23 @@ def _sel_fwd_kernel(
             alpha = tl.exp(m_i - m_use)
             p = tl.exp(scores - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_vt, stride_vd)
+            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_v[1], stride_v[3])
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
             m_i = m_new
 
     nonempty = l_i > 0.0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    tl.store(O + b64 * stride_ob + t64 * stride_ot + head[:, None] * stride_oh
-             + offs_dv[None, :] * stride_od, o.to(O.dtype.element_ty),
+    tl.store(O + b64 * stride_o[0] + t64 * stride_o[1] + head[:, None] * stride_o[2]
+             + offs_dv[None, :] * stride_o[3], o.to(O.dtype.element_ty),
              mask=mask_h[:, None] & mask_dv[None, :])
-    tl.store(LSE + b64 * stride_lb + t64 * stride_lt + head * stride_lh, lse, mask=mask_h)
+    tl.store(LSE + b64 * stride_l[0] + t64 * stride_l[1] + head * stride_l[2], lse, mask=mask_h)
 
 
 @triton.jit
 def _sel_bwd_dq_kernel(
     Q, K, V, IDX, SEQ_START, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kg, stride_kd,
-    stride_vb, stride_vt, stride_vg, stride_vd,
-    stride_ib, stride_it, stride_ig, stride_is,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_lb, stride_lt, stride_lh,
-    stride_dqb, stride_dqt, stride_dqh, stride_dqd,
+    stride_q, stride_k, stride_v, stride_i, stride_do, stride_l, stride_dq,
     G, scale,
     HPG: tl.constexpr, N_SEL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr,
@@ -215,34 +207,34 @@ def _sel_bwd_dq_kernel(
     VARLEN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     (t, g, t64, b64, head, offs_n, offs_dk, offs_dv, mask_h, mask_dk, mask_dv, q,
-     seq_start) = _sel_prologue(Q, SEQ_START, stride_qb, stride_qt, stride_qh, stride_qd, G,
+     seq_start) = _sel_prologue(Q, SEQ_START, stride_q, G,
                                 HPG, D_K, D_V, BLOCK_H, BLOCK_N, BLOCK_DK, BLOCK_DV, VARLEN)
-    do = tl.load(DO + b64 * stride_dob + t64 * stride_dot + head[:, None] * stride_doh
-                 + offs_dv[None, :] * stride_dod,
+    do = tl.load(DO + b64 * stride_do[0] + t64 * stride_do[1] + head[:, None] * stride_do[2]
+                 + offs_dv[None, :] * stride_do[3],
                  mask=mask_h[:, None] & mask_dv[None, :], other=0.0)
-    row = b64 * stride_lb + t64 * stride_lt + head * stride_lh
+    row = b64 * stride_l[0] + t64 * stride_l[1] + head * stride_l[2]
     lse = tl.load(LSE + row, mask=mask_h, other=0.0)
     lse = tl.where(lse == float("-inf"), 0.0, lse)  # an empty row has p = 0 everywhere
     delta = tl.load(DELTA + row, mask=mask_h, other=0.0)
 
     dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
-    idx_base = IDX + b64 * stride_ib + t64 * stride_it + g * stride_ig
-    k_base = K + b64 * stride_kb + g * stride_kg
-    v_base = V + b64 * stride_vb + g * stride_vg
+    idx_base = IDX + b64 * stride_i[0] + t64 * stride_i[1] + g * stride_i[2]
+    k_base = K + b64 * stride_k[0] + g * stride_k[2]
+    v_base = V + b64 * stride_v[0] + g * stride_v[2]
     for s in range(N_SEL):
-        blk_start = _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE)
+        blk_start = _sel_block_start(idx_base, s, stride_i[3], seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
             kmask, kpos64, k = _sel_key_tile(k_base, blk_start, c, seq_start, t, offs_n, offs_dk,
-                                             mask_dk, stride_kt, stride_kd, BLOCK_SIZE)
-            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_vt, stride_vd)
+                                             mask_dk, stride_k[1], stride_k[3], BLOCK_SIZE)
+            v = _load_key_rows(v_base, kpos64, kmask, offs_dv, mask_dv, stride_v[1], stride_v[3])
             scores = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
             p = tl.where(kmask[None, :], tl.exp(scores - lse[:, None]), 0.0)
             dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
             ds = p * (dp - delta[:, None])
             dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
 
-    tl.store(DQ + b64 * stride_dqb + t64 * stride_dqt + head[:, None] * stride_dqh
-             + offs_dk[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
+    tl.store(DQ + b64 * stride_dq[0] + t64 * stride_dq[1] + head[:, None] * stride_dq[2]
+             + offs_dk[None, :] * stride_dq[3], (dq * scale).to(DQ.dtype.element_ty),
              mask=mask_h[:, None] & mask_dk[None, :])
 
 
@@ -250,13 +242,7 @@ def _sel_bwd_dq_kernel(
 def _sel_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     BLK_START, BLK_END, INV_PTR, INV_T,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kg, stride_kd,
-    stride_vb, stride_vt, stride_vg, stride_vd,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_lb, stride_lt, stride_lh,
-    stride_dkb, stride_dkt, stride_dkg, stride_dkd,
-    stride_dvb, stride_dvt, stride_dvg, stride_dvd,
+    stride_q, stride_k, stride_v, stride_do, stride_l, stride_dk, stride_dv,
     G, N_BLOCKS, scale,
     HPG: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_CHUNKS: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr,
@@ -283,10 +269,10 @@ def _sel_bwd_dkdv_kernel(
     kpos = blk_start + chunk * BLOCK_N + offs_n
     kmask = (chunk * BLOCK_N + offs_n < BLOCK_SIZE) & (kpos < blk_end)
     kpos64 = kpos.to(tl.int64)
-    k = tl.load(K + b64 * stride_kb + kpos64[:, None] * stride_kt + g * stride_kg
-                + offs_dk[None, :] * stride_kd, mask=kmask[:, None] & mask_dk[None, :], other=0.0)
-    v = tl.load(V + b64 * stride_vb + kpos64[:, None] * stride_vt + g * stride_vg
-                + offs_dv[None, :] * stride_vd, mask=kmask[:, None] & mask_dv[None, :], other=0.0)
+    k = tl.load(K + b64 * stride_k[0] + kpos64[:, None] * stride_k[1] + g * stride_k[2]
+                + offs_dk[None, :] * stride_k[3], mask=kmask[:, None] & mask_dk[None, :], other=0.0)
+    v = tl.load(V + b64 * stride_v[0] + kpos64[:, None] * stride_v[1] + g * stride_v[2]
+                + offs_dv[None, :] * stride_v[3], mask=kmask[:, None] & mask_dv[None, :], other=0.0)
 
     # Row r of a query tile is (query r // H_PAD of the list, head r % H_PAD of the group).
     r_query = offs_r // H_PAD
@@ -303,13 +289,13 @@ def _sel_bwd_dkdv_kernel(
         rmask = (entry < hi) & (r_head < HPG)
         tq = tl.load(INV_T + entry, mask=rmask, other=0)
         tq64 = tq.to(tl.int64)
-        q = tl.load(Q + b64 * stride_qb + tq64[:, None] * stride_qt + head[:, None] * stride_qh
-                    + offs_dk[None, :] * stride_qd, mask=rmask[:, None] & mask_dk[None, :],
+        q = tl.load(Q + b64 * stride_q[0] + tq64[:, None] * stride_q[1] + head[:, None] * stride_q[2]
+                    + offs_dk[None, :] * stride_q[3], mask=rmask[:, None] & mask_dk[None, :],
                     other=0.0)
-        do = tl.load(DO + b64 * stride_dob + tq64[:, None] * stride_dot
-                     + head[:, None] * stride_doh + offs_dv[None, :] * stride_dod,
+        do = tl.load(DO + b64 * stride_do[0] + tq64[:, None] * stride_do[1]
+                     + head[:, None] * stride_do[2] + offs_dv[None, :] * stride_do[3],
                      mask=rmask[:, None] & mask_dv[None, :], other=0.0)
-        row = b64 * stride_lb + tq64 * stride_lt + head * stride_lh
+        row = b64 * stride_l[0] + tq64 * stride_l[1] + head * stride_l[2]
         lse = tl.load(LSE + row, mask=rmask, other=0.0)
         lse = tl.where(lse == float("-inf"), 0.0, lse)
         delta = tl.load(DELTA + row, mask=rmask, other=0.0)
@@ -322,11 +308,11 @@ def _sel_bwd_dkdv_kernel(
         ds_t = p_t * (dp_t - delta[None, :])
         dk += _dot(ds_t.to(q.dtype), q, PRECISION, UPCAST)
 
-    tl.store(DK + b64 * stride_dkb + kpos64[:, None] * stride_dkt + g * stride_dkg
-             + offs_dk[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
+    tl.store(DK + b64 * stride_dk[0] + kpos64[:, None] * stride_dk[1] + g * stride_dk[2]
+             + offs_dk[None, :] * stride_dk[3], (dk * scale).to(DK.dtype.element_ty),
              mask=kmask[:, None] & mask_dk[None, :])
-    tl.store(DV + b64 * stride_dvb + kpos64[:, None] * stride_dvt + g * stride_dvg
-             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+    tl.store(DV + b64 * stride_dv[0] + kpos64[:, None] * stride_dv[1] + g * stride_dv[2]
+             + offs_dv[None, :] * stride_dv[3], dv.to(DV.dtype.element_ty),
              mask=kmask[:, None] & mask_dv[None, :])
 
 
@@ -449,7 +435,7 @@ def _forward(q, k, v, block_idx, block_size, scale, seq_start):
     dummy = block_idx if seq_start is None else seq_start
     _sel_fwd_kernel[(T, B * G)](
         q, k, v, block_idx, dummy, o, lse,
-        *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *o.stride(), *lse.stride(),
+        q.stride(), k.stride(), v.stride(), block_idx.stride(), o.stride(), lse.stride(),
         G, scale,
         N_SEL=block_idx.shape[3], BLOCK_H=_pow2_at_least_16(H // G), BLOCK_N=sizes.block_n,
         VARLEN=seq_start is not None, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
@@ -473,8 +459,8 @@ def _backward(q, k, v, block_idx, block_size, scale, o, lse, do, segments, cu_se
     dummy = block_idx if seq_start is None else seq_start
     _sel_bwd_dq_kernel[(T, B * G)](
         q, k, v, block_idx, dummy, do, lse, delta, dq,
-        *q.stride(), *k.stride(), *v.stride(), *block_idx.stride(), *do.stride(), *lse.stride(),
-        *dq.stride(), G, scale,
+        q.stride(), k.stride(), v.stride(), block_idx.stride(), do.stride(), lse.stride(),
+        dq.stride(), G, scale,
         N_SEL=block_idx.shape[3], BLOCK_H=_pow2_at_least_16(H // G), BLOCK_N=sizes.block_n,
         VARLEN=seq_start is not None, num_warps=sizes.num_warps, num_stages=sizes.num_stages,
         **meta,
@@ -489,8 +475,8 @@ def _backward(q, k, v, block_idx, block_size, scale, o, lse, do, segments, cu_se
         queries = torch.zeros(1, device=q.device, dtype=torch.int32)
     _sel_bwd_dkdv_kernel[(n_blocks * n_chunks, B * G)](
         q, k, v, do, lse, delta, dk, dv, blk_start, blk_end, ptr, queries,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride(),
-        *dk.stride(), *dv.stride(), G, n_blocks, scale,
+        q.stride(), k.stride(), v.stride(), do.stride(), lse.stride(),
+        dk.stride(), dv.stride(), G, n_blocks, scale,
         N_CHUNKS=n_chunks, H_PAD=h_pad, ROWS=rows, BLOCK_N=sizes.block_n,
         num_warps=sizes.num_warps, num_stages=sizes.num_stages, **meta,
     )
