@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     widest = widest_context(args.meshes)
     done: dict[tuple, list[dict[str, Any]]] = {}
     rows = []
-    tmp = tempfile.TemporaryDirectory(prefix="bench_scaling_")
+    tmp = tempfile.TemporaryDirectory(prefix="bench_scaling_") if args.isolate else None
     for point in points(args):
         shape = (point["data"], point["model"], point["context"], point["B"], point["T"])
         if shape not in done:
@@ -290,7 +290,8 @@ def main(argv=None) -> int:
         [[r["scaling"], r["mesh"], r["pass"], r["B"], r["T"], r.get("ms"), r.get("efficiency"),
           r["status"]] for r in rows],
         ["scaling", "mesh", "pass", "B", "T", "ms", "efficiency", "status"]))
-    tmp.cleanup()
+    if tmp is not None:
+        tmp.cleanup()
     print(f"wrote {args.csv}")
     return 0
 

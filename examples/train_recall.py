@@ -373,9 +373,10 @@ def logits_at(params: dict, h: jax.Array) -> jax.Array:
     return h @ params["head"]
 
 
-def query_logits(params, tokens, mc: ModelConfig, task: Task) -> jax.Array:
+def query_logits(params, tokens, mc: ModelConfig, task: Task,
+                 layer_backends: Optional[list] = None) -> jax.Array:
     """Logits `[B, n_queries, V]` at the query keys of the tail (they predict the values)."""
-    h = forward(params, tokens, mc)
+    h = forward(params, tokens, mc, layer_backends=layer_backends)
     return logits_at(params, h[:, tokens.shape[1] - task.tail::2])
 
 
@@ -545,21 +546,17 @@ def ablation_accuracy(params, tokens, answers, key_pos, *, mc: ModelConfig,
     of layer 0, of the last layer, of every layer; at the answer positions or elsewhere):
     whether the model retrieves through the selected branch, in which layer, and whether at
     the answer's own position or through other tokens."""
-    fallback = mc.backend if isinstance(mc.backend, str) else tuple(mc.backend)
-    ablated = (EXCLUDE_BACKEND, *([fallback] if isinstance(fallback, str) else fallback))
     T = tokens.shape[1]
-    q_pos = np.arange(T - task.tail, T, 2)
     at_query = np.zeros(T, bool)
-    at_query[q_pos] = True
+    at_query[T - task.tail::2] = True          # the positions `query_logits` reads
     layer_sets = {"first": [0], "last": [mc.n_layers - 1], "all": list(range(mc.n_layers))}
     out = {}
     for label, layers, where in ABLATIONS:
-        exclude_key_blocks(key_pos, mc.nsa, fallback,
+        exclude_key_blocks(key_pos, mc.nsa, mc.backend,
                            {"all": None, "query": at_query, "others": ~at_query}[where])
-        backends = [ablated if i in layer_sets[layers] else mc.backend
+        backends = [(EXCLUDE_BACKEND, *mc.backend) if i in layer_sets[layers] else mc.backend
                     for i in range(mc.n_layers)]
-        h = forward(params, tokens, mc, layer_backends=backends)
-        logits = logits_at(params, h[:, q_pos]).astype(jnp.float32)
+        logits = query_logits(params, tokens, mc, task, backends).astype(jnp.float32)
         out[f"acc_excl_{label}"] = float((jnp.argmax(logits, -1) == answers).mean())
     return out
 

@@ -90,3 +90,21 @@ def fa3_backward_f64(do, q, k, v, out, lse, softmax_scale, is_causal, window_siz
     shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q, k, v))
     return _host_call(lambda do, q, k, v: _backward(do, q, k, v, softmax_scale, window_size),
                       shapes, do, q, k, v)
+
+
+def open_fa3_paths(monkeypatch) -> list:
+    """Patch `nsa_jax.xla.cudnn` so that on a CPU the fused paths take the arrays (cuDNN's gate
+    open, a Hopper's head-size limit) and FA-3 runs on these stand-ins. Returns the list into
+    which each FA-3 forward call appends its `window_size` (which branches took FA-3)."""
+    from nsa_jax.xla import cudnn
+
+    taken = []
+
+    def forward(q, k, v, **kw):
+        taken.append(kw["window_size"])
+        return fa3_forward_f64(q, k, v, **kw)
+
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (forward, fa3_backward_f64))
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    return taken

@@ -17,7 +17,7 @@ from nsa_common import NSAConfig, num_cmp_blocks
 from nsa_common.testing import rel_err
 from nsa_jax import XlaOptions
 from nsa_jax.xla import cudnn
-from fa3_stand_in import fa3_backward_f64, fa3_forward_f64
+from fa3_stand_in import fa3_backward_f64, fa3_forward_f64, open_fa3_paths
 from nsa_jax.xla.compressed_attention import compressed_attention as xla_compressed_attention
 
 
@@ -272,15 +272,7 @@ def test_layer_on_the_fa3_paths_equals_the_chunked_layer(x64, monkeypatch):
     import nsa_jax
     from jax_inputs import make_inputs
 
-    taken = []
-
-    def forward(q, k, v, **kw):
-        taken.append(kw["window_size"])
-        return fa3_forward_f64(q, k, v, **kw)
-
-    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (forward, fa3_backward_f64))
-    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
-    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    taken = open_fa3_paths(monkeypatch)
     cfg = NSAConfig.tiny()
     params, x = make_inputs(cfg, 2, 150, jnp.float64, seed=5)   # 10 blocks, n_sel 4
     off = {"xla": XlaOptions(window_cudnn=False, compressed_cudnn=False)}

@@ -139,22 +139,15 @@ def test_fa3_runs_inside_a_multi_device_shard_map(x64, reference, monkeypatch):
     """Inside a `shard_map` over data x model, both fused branches run on FA-3 (float64
     stand-ins, the fused gate opened on the CPU) and cuDNN's own kernel never: output, aux and
     gradients equal the unsharded chunked layer's."""
-    from fa3_stand_in import fa3_backward_f64, fa3_forward_f64
+    from fa3_stand_in import open_fa3_paths
     from nsa_jax.xla import cudnn
 
     params, x, y_ref, aux_ref, grads_ref = reference
-    taken = []
-
-    def forward(q, k, v, **kw):
-        taken.append(kw["window_size"])
-        return fa3_forward_f64(q, k, v, **kw)
 
     def no_cudnn(*args, **kwargs):
         raise AssertionError("cuDNN's own kernel ran inside a multi-device shard_map")
 
-    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (forward, fa3_backward_f64))
-    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
-    monkeypatch.setattr(cudnn, "max_head_dim", lambda: 256)
+    taken = open_fa3_paths(monkeypatch)
     monkeypatch.setattr(cudnn, "causal_attention", no_cudnn)
     monkeypatch.setattr(jax.nn, "dot_product_attention", no_cudnn)
     mesh, axes = make_mesh(data=2, model=2)
