@@ -59,6 +59,53 @@ def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def column_parts(d: int, split: bool = True) -> tuple:
+    """(offset, width) column parts of a `d`-wide operand that enter `tl.dot`, each a power of
+    two >= MATMUL_MIN: `d` itself, or its two binary parts where `split` and `d` is the sum of
+    two such powers (192 = 128 + 64, 96 = 64 + 32), else `d` padded to one part. Split, the
+    products read and multiply `d` columns instead of the padded power of two (a quarter less
+    at 192)."""
+    if d == matmul_dim(d):
+        return ((0, d),)
+    high = next_pow2(d) // 2
+    if split and d - high == next_pow2(d - high) and d - high >= MATMUL_MIN:
+        return ((0, high), (high, d - high))
+    return ((0, matmul_dim(d)),)
+
+
+def parts_width(parts: tuple) -> int:
+    """The width of the array the column parts cover (the padded width of one part)."""
+    offset, width = parts[-1]
+    return offset + width
+
+
+def load_cols(ref, index: tuple, parts: tuple) -> list:
+    """`ref[index]` cut into the column parts (index: the leading indexers; empty: every row of
+    a 2-D ref); one load when one part spans the ref, the same load as without parts."""
+    if len(parts) == 1:
+        return [ref[index + (slice(None),)] if index else ref[...]]
+    index = index or (pl.ds(0, ref.shape[0]),)
+    return [ref[index + (pl.ds(o, w),)] for o, w in parts]
+
+
+def store_cols(ref, values: list, parts: tuple) -> None:
+    """ref[:, part] = value for each column part of a 2-D ref (`values` as `load_cols` gives)."""
+    if len(parts) == 1:
+        ref[...] = values[0]
+        return
+    for (o, w), value in zip(parts, values):
+        ref[:, pl.ds(o, w)] = value
+
+
+def dot_parts(a_parts: list, b_parts: list, dot_fn=None):
+    """sum over the column parts of `a_p @ b_p^T` (float32): the product of the whole rows."""
+    dot_fn = dot_fn or dot
+    s = dot_fn(a_parts[0], b_parts[0], trans_b=True)
+    for a, b in zip(a_parts[1:], b_parts[1:]):
+        s = s + dot_fn(a, b, trans_b=True)
+    return s
+
+
 def triton_compiler_params(num_warps: int, num_stages: int):
     """`CompilerParams` of the Pallas Triton lowering under its current name (jax >= 0.7), or
     its older name `TritonCompilerParams`."""

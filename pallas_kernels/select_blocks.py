@@ -42,8 +42,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import NSAConfig, overlap_weights
 from pallas_kernels._common import (LOG2_E, MATMUL_MIN, check_implementation, check_kernel_dtype,
-                                    check_tile_sizes, dot, matmul_dim, next_pow2, pad_axis,
-                                    pallas_call)
+                                    check_tile_sizes, column_parts, dot, dot_parts, load_cols,
+                                    matmul_dim, next_pow2, pad_axis, pallas_call, parts_width)
 # The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
 # over tiles of compressed keys).
 import pallas_kernels._compressed_tiles as tiles
@@ -83,6 +83,11 @@ class BlockSizes:
     kernel alone 2.6 ms); "heads" + "fused" 10.4 ms with 2 stages, 9.5 ms with 3 (the default).
     4 warps; 128 queries a tile with 8 warps 11.7 ms, 32 queries 18.4 ms (with "pallas"),
     16 selection blocks a step 18.5 ms (with "pallas"), 64 with 3 stages 26.1 ms.
+
+    split_dk ("heads" layout): a d_k that is the sum of two powers of two >= 16 (192 = 128 + 64)
+      enters `q k^T` as two column parts instead of padded to the next power of two, so q and
+      the keys are neither copied into padded arrays nor read at 256 columns
+      (`_common.column_parts`, as the selected-attention kernels do).
     """
 
     block_q: int = 256
@@ -98,6 +103,7 @@ class BlockSizes:
     head_sum_dot: bool = False
     layout: str = "heads"
     block_queries: int = 64
+    split_dk: bool = True
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -157,8 +163,8 @@ class _Scorer:
 
     def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: tiles.Tiling, cmp_block: int,
                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
-                 block_sel: int, span: int, head_sum_dot: bool):
-        self.k_ref, self.tiling, self.scale = k_ref, tiling, scale
+                 block_sel: int, span: int, head_sum_dot: bool, parts: tuple):
+        self.k_ref, self.tiling, self.scale, self.parts = k_ref, tiling, scale, parts
         self.head_sum_dot = head_sum_dot
         self.block_sel, self.span, self.n_init, self.n_local = block_sel, span, n_init, n_local
         self.q_tile = q_tile = q_ref.shape[0]
@@ -266,13 +272,13 @@ class _HeadLoopScorer(_Scorer):
 
     def step(self, k, previous, masked: bool):
         first_block = k * self.span
-        keys = self.k_ref[pl.ds(first_block, self.width), :]
+        keys = load_cols(self.k_ref, (pl.ds(first_block, self.width),), self.parts)
         scale2 = self.scale * LOG2_E
 
         def add_head(head, p_sum):
-            q = self.q_ref[:, head, :]
+            q = load_cols(self.q_ref, (slice(None), head), self.parts)
             lse2 = self.lse_ref[:, head] * LOG2_E
-            return p_sum + jnp.exp2(dot(q, keys, trans_b=True) * scale2 - lse2[:, None])
+            return p_sum + jnp.exp2(dot_parts(q, keys) * scale2 - lse2[:, None])
 
         p_sum = lax.fori_loop(0, self.tiling.heads, add_head,
                               jnp.zeros((self.q_tile, self.width), jnp.float32))
@@ -425,8 +431,10 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     B, T, H, d_k = q.shape
     G = k_cmp.shape[2]
     heads = H // G
+    # The "rows" layout flattens (query, head) rows of one padded width: no column parts there.
+    parts = column_parts(d_k, block_sizes.split_dk and block_sizes.layout == "heads")
     tiling = tiles.Tiling(seq_len=T, n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
-                     d_k=d_k, d_v=d_k, dk_pad=matmul_dim(d_k), dv_pad=matmul_dim(d_k))
+                          d_k=d_k, d_v=d_k, dk_pad=parts_width(parts), dv_pad=parts_width(parts))
     if block_sizes.layout == "heads":
         q_tile = block_sizes.block_queries
     else:
@@ -439,7 +447,7 @@ def _select_blocks(q, k_cmp, lse, cmp_block, cmp_stride, sel_block, n_sel, n_ini
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride,
                     sel_block=sel_block, n_init=n_init, n_local=n_local, scale=scale,
                     block_sel=block_sel, span=span, head_sum_dot=block_sizes.head_sum_dot,
-                    layout=block_sizes.layout)
+                    layout=block_sizes.layout, parts=parts)
     q5 = tiles.group_view(q, G)
     lse4 = tiles.group_view(lse.astype(jnp.float32), G)
     if block_sizes.topn == "fused":

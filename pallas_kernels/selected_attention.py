@@ -34,11 +34,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (LOG2_E, LN_2, MASK, MATMUL_MIN, check_implementation,
-                                    check_kernel_dtype, dot, matmul_dim, next_pow2,
-                                    online_softmax_finish,
+from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation,
+                                    check_kernel_dtype, column_parts, dot, dot_parts, load_cols,
+                                    matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
-                                    pallas_call)
+                                    pallas_call, parts_width, store_cols)
 
 __all__ = [
     "BlockSizes",
@@ -106,20 +106,12 @@ class _Geometry:
 
     @property
     def dk_parts(self) -> tuple:
-        """(offset, width) column parts of q / k that enter `tl.dot`, each a power of two
-        >= MATMUL_MIN: d_k itself, or its two binary parts (`split_dk`), else d_k padded."""
-        d = self.d_k
-        if d == matmul_dim(d):
-            return ((0, d),)
-        high = next_pow2(d) // 2
-        if self.split_dk and d - high == next_pow2(d - high) and d - high >= MATMUL_MIN:
-            return ((0, high), (high, d - high))
-        return ((0, matmul_dim(d)),)
+        """(offset, width) column parts of q / k that enter `tl.dot` (`_common.column_parts`)."""
+        return column_parts(self.d_k, self.split_dk)
 
     @property
     def dk_pad(self) -> int:  # the width of the q / k arrays the kernels read
-        offset, width = self.dk_parts[-1]
-        return offset + width
+        return parts_width(self.dk_parts)
 
     @property
     def dv_pad(self) -> int:
@@ -152,30 +144,13 @@ _dot = functools.partial(dot, highest_16bit=False)
 
 
 def _cols(ref, rows, parts):
-    """`ref[rows]` (rows None: every row) cut into the column parts; one load when one part
-    spans the ref, the same load as before the parts existed."""
-    if len(parts) == 1:
-        return [ref[...] if rows is None else ref[rows, :]]
-    if rows is None:
-        rows = pl.ds(0, ref.shape[0])
-    return [ref[rows, pl.ds(o, w)] for o, w in parts]
-
-
-def _store_cols(ref, values, parts):
-    """ref[:, part] = value for each column part (`values` as `_cols` gives them)."""
-    if len(parts) == 1:
-        ref[...] = values[0]
-        return
-    for (o, w), value in zip(parts, values):
-        ref[:, pl.ds(o, w)] = value
+    """`ref[rows]` (rows None: every row) cut into the column parts."""
+    return load_cols(ref, () if rows is None else (rows,), parts)
 
 
 def _scores(a_parts, b_parts):
     """sum over the column parts of a_p @ b_p^T (float32)."""
-    s = _dot(a_parts[0], b_parts[0], trans_b=True)
-    for a, b in zip(a_parts[1:], b_parts[1:]):
-        s = s + _dot(a, b, trans_b=True)
-    return s
+    return dot_parts(a_parts, b_parts, _dot)
 
 
 def _visit_bound(idx_ref):
@@ -244,7 +219,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
     dq = lax.fori_loop(0, _visit_bound(idx_ref), visit,
                        [jnp.zeros((rows, w), jnp.float32) for _, w in parts])
-    _store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype) for x in dq], parts)
+    store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype) for x in dq], parts)
 
 
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
@@ -292,7 +267,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     dk, dv = lax.fori_loop(0, n_steps, step,
                            ([jnp.zeros((tile, w), jnp.float32) for _, w in parts],
                             jnp.zeros(dv_ref.shape, jnp.float32)))
-    _store_cols(dk_ref, [x * scale for x in dk], parts)
+    store_cols(dk_ref, [x * scale for x in dk], parts)
     dv_ref[...] = dv
 
 
@@ -314,7 +289,7 @@ def _dkv_reduce_kernel(item_start_ref, dk_part_ref, dv_part_ref, dk_ref, dv_ref,
     dk, dv = lax.fori_loop(item_start_ref[j], item_start_ref[j + 1], add,
                            ([jnp.zeros((tile, n), jnp.float32) for _, n in parts],
                             jnp.zeros(dv_ref.shape, jnp.float32)))
-    _store_cols(dk_ref, [x.astype(dk_ref.dtype) for x in dk], parts)
+    store_cols(dk_ref, [x.astype(dk_ref.dtype) for x in dk], parts)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 

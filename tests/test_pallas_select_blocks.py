@@ -87,6 +87,43 @@ def test_heads_layout_matches_brute_force(case):
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
+@pytest.mark.parametrize("d_k", [48, 96, 192, 24])
+@pytest.mark.parametrize("split_dk", [True, False])
+def test_heads_layout_column_parts(d_k, split_dk):
+    """d_k = 32 + 16, 64 + 32, 128 + 64 enter `q k^T` as two column parts (`split_dk`, the
+    default) or padded to the next power of two; 24 = 16 + 8 has a part under 16 and is padded
+    either way. Both give the brute force's blocks."""
+    q, k = make_inputs(3, 1, 130, 4, 2, d_k, 8, 4)
+    kw = selection(8, 4, 16, 4, 1, 2)
+    _, lse = compressed_attention_reference(q, k, k, cmp_block=8, cmp_stride=4)
+    sizes = BlockSizes(layout="heads", block_queries=32, block_sel=16, split_dk=split_dk)
+    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
+    np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
+
+
+@pytest.mark.parametrize("split_dk, width", [(True, 192), (False, 256)])
+def test_split_dk_reads_unpadded_operands_in_the_triton_lowering(split_dk, width):
+    """On the CUDA lowering (no GPU needed) the kernel's q and k_cmp operands are 192 wide with
+    the column parts and 256 wide padded: the split removes the padded copies."""
+    import jax
+
+    shape = jax.ShapeDtypeStruct
+    sizes = BlockSizes(split_dk=split_dk)
+
+    def select(q, k, lse):
+        return select_blocks(q, k, lse, block_sizes=sizes, **selection(32, 16, 64, 16, 1, 2))
+
+    text = jax.jit(select).trace(shape((1, 320, 16, 192), jnp.bfloat16),
+                                 shape((1, 19, 4, 192), jnp.bfloat16),
+                                 shape((1, 320, 16), jnp.float32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    call = [line for line in text.splitlines() if "xla.gpu.triton" in line]
+    assert len(call) == 1
+    operands = call[0].rsplit(" : (", 1)[1]
+    assert operands.count(f"x{width}xbf16>") == 2
+    assert operands.count("xbf16>") == 2
+
+
 def test_block_straddling_two_steps_scores_in_both():
     """A compressed block that straddles the boundary of two kernel steps (l = 2d) weighs on the
     last selection block of one step and the first of the next. Make that block dominate the
@@ -150,9 +187,9 @@ def test_bad_inputs_raise_value_error():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not jax_has_gpu(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("layout", ["rows", "heads"])
-def test_gpu_matches_reference(layout):
-    q, k = make_inputs(4, 1, 2000, 16, 4, 64, 32, 16)
+@pytest.mark.parametrize("layout, d_k", [("rows", 64), ("heads", 64), ("heads", 192)])
+def test_gpu_matches_reference(layout, d_k):
+    q, k = make_inputs(4, 1, 2000, 16, 4, d_k, 32, 16)
     kw = selection(32, 16, 64, 16, 1, 2)
     _, lse = compressed_attention(q, k, k, cmp_block=32, cmp_stride=16)
     block_idx = np.asarray(select_blocks(q, k, lse, block_sizes=BlockSizes(layout=layout), **kw))
