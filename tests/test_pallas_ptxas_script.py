@@ -1,0 +1,41 @@
+"""scripts/pallas_ptxas.py: a Pallas kernel lowered for CUDA on a CPU host, its TTIR compiled
+by the installed Triton for sm90, and ptxas's registers, spills and shared memory reported."""
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pallas_ptxas.py")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_selection_kernel_registers_and_shared_memory(tmp_path):
+    rows = {}
+    for label, extra in (("default", []), ("narrow", ["--set", "block_sel=16,num_stages=2"])):
+        path = tmp_path / f"{label}.csv"
+        proc = _run("select", "--S", 2048, "--csv", path, *extra)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        (rows[label],) = list(csv.DictReader(open(path)))
+        assert "kernel=nsa_select_blocks" in proc.stdout
+    default, narrow = rows["default"], rows["narrow"]
+    assert default["status"] == "ok" and (default["num_warps"], default["num_stages"]) == ("4", "3")
+    assert 0 < int(default["registers"]) <= 255 and int(default["spill_stores"]) >= 0
+    # the narrow step: half the compressed keys a stage, one stage fewer
+    assert narrow["num_stages"] == "2"
+    assert 0 < int(narrow["shared_bytes"]) < int(default["shared_bytes"])
+
+
+def test_unknown_block_size_field_is_named():
+    proc = _run("select", "--set", "block_size=64")
+    assert proc.returncode == 2 and "block_size" in proc.stderr and "block_sel" in proc.stderr
+    proc = _run("select", "--set", "block_sel")
+    assert proc.returncode == 2 and "field=value" in proc.stderr
