@@ -230,6 +230,12 @@ VARIANTS = {
     # projection, so the selected branch's gradient reaches the compressed keys too.
     "cmp_sel": Variant("cmp_sel", gate_bias=(4.0, 4.0, -4.0)),
     "cmp_sel_shared": Variant("cmp_sel_shared", gate_bias=(4.0, 4.0, -4.0), shared_kv=True),
+    # sel_only's gates with mean pooling over one K/V projection shared by the branches: a
+    # compressed key is the mean of its block's selected-branch keys, so the ranking scores
+    # `q . mean(k)` sharpen as the selected branch learns `q . k`, with no gradient through the
+    # compressed branch (whose gate sel_only keeps near 0).
+    "sel_mean_shared": Variant("sel_mean_shared", gate_bias=(-4.0, 4.0, -4.0), compress="mean",
+                               shared_kv=True),
     # Diagnostics: gates fixed at (0, 1, 0) (sigmoid(+-30)); with n_sel covering every block the
     # layer is then exactly the full-attention layer, so `sel_fixed_dense` (the full model's
     # initial weights) must train as `full` does, and `sel_fixed` (NSA's own draw) tells

@@ -115,6 +115,13 @@ def test_variants_change_the_nsa_config():
                                      train_recall.VARIANTS["mean_shared"])
     assert set(params["blocks"][0]["attn"]["wk"]) == {"shared"}
     assert "cmp_k" not in params["blocks"][0]["attn"]
+    # sel_only's gates on the mean_shared layer
+    variant = train_recall.VARIANTS["sel_mean_shared"]
+    assert train_recall.variant_cfg(cfg, variant) == mean_shared
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc, variant)
+    assert set(params["blocks"][0]["attn"]["wk"]) == {"shared"}
+    bg = np.asarray(params["blocks"][0]["attn"]["bg"]).reshape(cfg.n_heads, 3)
+    np.testing.assert_array_equal(bg, np.tile([-4.0, 4.0, -4.0], (cfg.n_heads, 1)))
     cmp_sel = train_recall.VARIANTS["cmp_sel_shared"]
     assert train_recall.variant_cfg(cfg, cmp_sel).shared_kv
     mc = train_recall.ModelConfig("nsa", train_recall.variant_cfg(cfg, cmp_sel), vocab_size=20,
