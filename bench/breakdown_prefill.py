@@ -61,20 +61,11 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, dict[str, Any]]]]:
                 raise ValueError(f"--variants: {assignment!r} must be kernel.field=value with "
                                  f"kernel in {sorted(KERNELS)} or pallas (a PallasOptions "
                                  f"field)")
-            fields.setdefault(kernel, {})[field] = _literal(value)
+            fields.setdefault(kernel, {})[field] = common.parse_literal(value)
         variants.append((name, fields))
     if not variants:
         raise ValueError("--variants names no variant")
     return variants
-
-
-def _literal(value: str):
-    if value in ("True", "False"):
-        return value == "True"
-    try:
-        return int(value)
-    except ValueError:
-        return value
 
 
 def pallas_options(fields: dict[str, dict[str, Any]]):

@@ -129,6 +129,17 @@ def parse_int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def parse_literal(value: str):
+    """A command-line setting's value: True / False, else an int where it is one, else the
+    string (`breakdown_prefill.py --variants`, `scripts/pallas_ptxas.py --set`)."""
+    if value in ("True", "False"):
+        return value == "True"
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared flags: the NSA settings (a preset, then per-field overrides) and the run settings
 # ---------------------------------------------------------------------------------------------

@@ -143,11 +143,6 @@ class _Geometry:
 _dot = functools.partial(dot, highest_16bit=False)
 
 
-def _cols(ref, rows, parts):
-    """`ref[rows]` (rows None: every row) cut into the column parts."""
-    return load_cols(ref, () if rows is None else (rows,), parts)
-
-
 def _scores(a_parts, b_parts):
     """sum over the column parts of a_p @ b_p^T (float32)."""
     return dot_parts(a_parts, b_parts, _dot)
@@ -168,7 +163,7 @@ def _load_block(k_ref, v_ref, j, t, l_sel, tile, parts):
     masked, so the loop needs no branch."""
     live = (j >= 0) & (j * l_sel <= t)
     start = jnp.where(live, j, 0) * l_sel
-    k = _cols(k_ref, pl.ds(start, tile), parts)
+    k = load_cols(k_ref, (pl.ds(start, tile),), parts)
     v = v_ref[pl.ds(start, tile), :]
     offset = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
     keep = live & (start + offset <= t) & (offset < l_sel)
@@ -181,7 +176,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
     parts: the (offset, width) column parts of q and k (`_Geometry.dk_parts`)."""
     t = pl.program_id(0)
     rows, dv = o_ref.shape
-    q = _cols(q_ref, None, parts)
+    q = load_cols(q_ref, (), parts)
     scale_log2 = scale * LOG2_E
 
     def visit(slot, carry):
@@ -203,7 +198,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
     do_ref [h_pad, dv_pad], lse_ref / delta_ref [h_pad]; dq_ref [h_pad, dk_pad]."""
     t = pl.program_id(0)
     rows = dq_ref.shape[0]
-    q = _cols(q_ref, None, parts)
+    q = load_cols(q_ref, (), parts)
     do = do_ref[...]
     lse_log2 = lse_ref[...] * LOG2_E
     delta = delta_ref[...]
@@ -232,7 +227,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
     w, g = pl.program_id(0), pl.program_id(1)
     j, lo, hi = item_block_ref[w], item_lo_ref[w], item_hi_ref[w]
     start = j * l_sel
-    k = _cols(k_ref, pl.ds(start, tile), parts)
+    k = load_cols(k_ref, (pl.ds(start, tile),), parts)
     v = v_ref[pl.ds(start, tile), :]
     scale_log2 = scale * LOG2_E
     queries_per_step = rows // h
@@ -250,7 +245,7 @@ def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_r
         valid = (pos < hi) & (slot < queries_per_step)
         t_row = jnp.where(valid, qlist_ref[pos], 0)
         row = t_row * H + g * h + head
-        q = _cols(q_ref, row, parts)
+        q = load_cols(q_ref, (row,), parts)
         do = do_ref[row, :]
         lse_log2 = lse_ref[row] * LOG2_E
         delta = delta_ref[row]

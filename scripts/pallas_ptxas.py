@@ -30,6 +30,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.common import parse_literal  # noqa: E402
 COLUMNS = ["kernel", "num_warps", "num_stages", "registers", "spill_stores", "spill_loads",
            "shared_bytes", "triton", "status"]
 
@@ -74,13 +76,7 @@ def parse_sets(text: str | None) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
             raise ValueError(f"--set: {item!r} must be field=value")
-        if value in ("True", "False"):
-            fields[key] = value == "True"
-        else:
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                fields[key] = value
+        fields[key] = parse_literal(value)
     return fields
 
 
@@ -101,11 +97,11 @@ def lowered_call(kernel: str, args, fields: dict):
 
     S, H, G, dk, dv = args.S, args.H, args.G, args.dk, args.dv
     l, d, l_sel = 32, 16, 64
+    C = (S - l) // d + 1          # compressed blocks (nsa_common.num_cmp_blocks)
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     if kernel == "select":
         from pallas_kernels.select_blocks import BlockSizes, select_blocks
         sizes = block_sizes(BlockSizes, fields)
-        C = (S - l) // d + 1
         fn = lambda q, k_cmp, lse: select_blocks(
             q, k_cmp, lse, cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=16, n_init=1,
             n_local=2, block_sizes=sizes)
@@ -124,7 +120,6 @@ def lowered_call(kernel: str, args, fields: dict):
     if kernel == "compressed":
         from pallas_kernels.compressed_attention import BlockSizes, compressed_attention
         sizes = block_sizes(BlockSizes, fields)
-        C = (S - l) // d + 1
 
         def fn(q, k_cmp, v_cmp):
             def loss(q, k, v):
@@ -200,7 +195,6 @@ def main(argv=None) -> int:
     parser.add_argument("--set", default=None, help="BlockSizes fields: field=value,...")
     parser.add_argument("--csv", default=None, help="write the rows to this CSV file too")
     args = parser.parse_args(argv)
-    sys.path.insert(0, ROOT)
     try:
         fields = parse_sets(args.set)
         modules = capture(args.kernel, args, fields)
