@@ -22,7 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (B, T, H, G, d_k, d_v, block_size, n_sel, dtype name), each also packed when B = 1.
 SHAPES = ((1, 256, 16, 2, 64, 64, 32, 4, "bfloat16"), (1, 256, 64, 4, 192, 128, 64, 8, "bfloat16"),
           (2, 100, 4, 2, 24, 8, 16, 3, "float32"))
-_DEBUG_LINE = re.compile(r"\s*(\.loc|\.file|//)")
+# Debug lines, and the `$L__tmp` labels that mark inlined helpers' scopes for the debug sections
+# (no branch targets them: a helper's extraction renumbers them and nothing else).
+_DEBUG_LINE = re.compile(r"\s*(\.loc|\.file|//|\$L__tmp\d+:)")
 
 
 class _Sm90Driver:

@@ -30,6 +30,7 @@ def test_ptx_of_the_selection_kernels(tmp_path):
     for name in ("_sel_fwd_kernel", "_sel_bwd_dq_kernel", "_sel_bwd_dkdv_kernel"):
         ptx = (first / next(f for f in files if f.endswith(f"{name}.ptx"))).read_text()
         assert f".entry {name}" in ptx and ".target sm_90" in ptx and ".loc" not in ptx
+        assert "$L__tmp" not in ptx
     proc = _run(second, "--compare", first)
     assert proc.returncode == 0 and "identical" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     (first / files[0]).write_text((first / files[0]).read_text() + "\n// changed")

@@ -118,6 +118,15 @@ def _sel_prologue(Q, SEQ_START, stride_q, G,
 
 
 @triton.jit
+def _sel_bases(IDX, K, V, stride_i, stride_k, stride_v, t64, b64, g):
+    """Returns the pointers to query t's block list and to group g's keys and values."""
+    idx_base = IDX + b64 * stride_i[0] + t64 * stride_i[1] + g * stride_i[2]
+    k_base = K + b64 * stride_k[0] + g * stride_k[2]
+    v_base = V + b64 * stride_v[0] + g * stride_v[2]
+    return idx_base, k_base, v_base
+
+
+@triton.jit
 def _sel_block_start(idx_base, s, stride_is, seq_start, BLOCK_SIZE: tl.constexpr):
     """Returns the first token of the `s`-th listed block `j` (local to the sequence; a padding
     j < 0 gives a start before seq_start)."""
@@ -167,9 +176,7 @@ def _sel_fwd_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    idx_base = IDX + b64 * stride_i[0] + t64 * stride_i[1] + g * stride_i[2]
-    k_base = K + b64 * stride_k[0] + g * stride_k[2]
-    v_base = V + b64 * stride_v[0] + g * stride_v[2]
+    idx_base, k_base, v_base = _sel_bases(IDX, K, V, stride_i, stride_k, stride_v, t64, b64, g)
     for s in range(N_SEL):
         blk_start = _sel_block_start(idx_base, s, stride_i[3], seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
@@ -218,9 +225,7 @@ def _sel_bwd_dq_kernel(
     delta = tl.load(DELTA + row, mask=mask_h, other=0.0)
 
     dq = tl.zeros([BLOCK_H, BLOCK_DK], dtype=tl.float32)
-    idx_base = IDX + b64 * stride_i[0] + t64 * stride_i[1] + g * stride_i[2]
-    k_base = K + b64 * stride_k[0] + g * stride_k[2]
-    v_base = V + b64 * stride_v[0] + g * stride_v[2]
+    idx_base, k_base, v_base = _sel_bases(IDX, K, V, stride_i, stride_k, stride_v, t64, b64, g)
     for s in range(N_SEL):
         blk_start = _sel_block_start(idx_base, s, stride_i[3], seq_start, BLOCK_SIZE)
         for c in range(0, BLOCK_SIZE, BLOCK_N):
