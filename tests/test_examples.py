@@ -1,6 +1,7 @@
 """CPU smoke of examples/train_recall.py: the data puts every key beyond the window, the window
 baseline is NSA's window, and a tiny run trains (loss falls where it trivially can), writes its
-outputs and generates through the decode cache exactly what teacher forcing predicts."""
+outputs and generates through the decode cache exactly what teacher forcing predicts. And
+examples/compare_recall.py: it plots several runs and names a bad argument."""
 import csv
 import json
 import math
@@ -9,6 +10,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import nsa_jax
 from examples import train_recall
@@ -301,3 +303,44 @@ def test_ablation_takes_the_key_blocks_out_of_the_selection():
     _, part = nsa_jax.nsa_attention(attn, x, cfg, backend=(name, "xla"), return_aux=True)
     np.testing.assert_array_equal(np.asarray(part["block_idx"]),
                                   np.where(is_key & positions[None, :, None, None], -1, plain))
+
+
+def _write_curves(path, rows):
+    fields = ["task", "model", "step", "eval_acc", "l1_hit"]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(dict(zip(fields, row)))
+
+
+def test_compare_recall_plots_runs_and_prints_last_points(tmp_path, capsys):
+    from examples import compare_recall
+
+    a, b = tmp_path / "mqar_s3_curves.csv", tmp_path / "mqar_s0_curves.csv"
+    _write_curves(a, [("mqar", "full", 101, 0.2, ""), ("mqar", "full", 1, 0.0, ""),
+                      ("mqar", "nsa:x", 1, 0.0, 0.38), ("mqar", "nsa:x", 101, 0.3, 0.5)])
+    _write_curves(b, [("mqar", "full", 1, 0.1, ""), ("mqar", "full", 201, 0.7, "")])
+    out = tmp_path / "cmp.png"
+    assert compare_recall.main([f"{a}:seed3", str(b), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["run", "task", "model", "step", "eval_acc", "l1_hit"]
+    # the last step of each run (rows sorted by step), a blank metric shown as '-'
+    assert lines[1].split() == ["seed3", "mqar", "full", "101", "0.200", "-"]
+    assert lines[2].split() == ["seed3", "mqar", "nsa:x", "101", "0.300", "0.500"]
+    assert lines[3].split() == ["mqar_s0", "mqar", "full", "201", "0.700", "-"]
+    assert out.stat().st_size > 0
+
+
+def test_compare_recall_names_a_bad_argument(tmp_path):
+    from examples import compare_recall
+
+    a = tmp_path / "a_curves.csv"
+    _write_curves(a, [("needle", "full", 1, 0.0, "")])
+    with pytest.raises(ValueError, match="--metrics: no input has l9_hit"):
+        compare_recall.main([str(a), "--metrics", "eval_acc,l9_hit", "--out", str(tmp_path / "x.png")])
+    with pytest.raises(ValueError, match="curves: no file"):
+        compare_recall.main([str(tmp_path / "none.csv"), "--out", str(tmp_path / "x.png")])
+    (tmp_path / "other.csv").write_text("row,S\n1,2\n")
+    with pytest.raises(ValueError, match="not a train_recall curves CSV"):
+        compare_recall.main([str(tmp_path / "other.csv"), "--out", str(tmp_path / "x.png")])
