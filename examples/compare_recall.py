@@ -2,7 +2,8 @@
 
 Each input is a `*_curves.csv` that `train_recall.py` wrote, optionally labelled `path:label`
 (default label: the file's name without `_curves.csv`). One panel per metric against the
-training step; one colour per model, one line style per input. Prints each run's last point.
+training step; one colour per model, one line style per label (inputs with one label, e.g.
+one seed's runs split over several files, share a style). Prints each run's last point.
 
     python examples/compare_recall.py bench/results/recall_cpu_mqar/mqar_s3_curves.csv:seed3 \\
         bench/results/recall_cpu_mqar/mqar_s0_curves.csv:seed0 --out /tmp/mqar_compare.png
@@ -63,14 +64,16 @@ def plot(path: str, inputs: list[tuple[str, dict]], metrics: list[str]) -> None:
 
     models = sorted({model for _, runs in inputs for _, model in runs})
     colours = {m: f"C{i % 10}" for i, m in enumerate(models)}
+    labels = list(dict.fromkeys(label for label, _ in inputs))
+    styles = {label: STYLES[i % len(STYLES)] for i, label in enumerate(labels)}
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
-        for i, (label, runs) in enumerate(inputs):
+        for label, runs in inputs:
             for (task, model), points in sorted(runs.items()):
                 shown = [p for p in points if metric in p]
                 if shown:
                     ax.plot([p["step"] for p in shown], [p[metric] for p in shown],
-                            STYLES[i % len(STYLES)], color=colours[model], marker=".",
+                            styles[label], color=colours[model], marker=".",
                             markersize=3, label=f"{model} ({label}, {task})")
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("step")
