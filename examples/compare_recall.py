@@ -11,27 +11,33 @@ one seed's runs split over several files, share a style). Prints each run's last
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
+
+if __package__ in (None, ""):
+    # Run as a file: the repository's own `bench` package must import without PYTHONPATH=.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
 
 STYLES = ("-", "--", ":", "-.")
 
 
 def read_curves(path: str) -> dict[tuple[str, str], list[dict]]:
-    """-> {(task, model): rows sorted by step}, numeric fields as floats (empty ones dropped)."""
+    """-> {(task, model): points sorted by step}, each point its numeric fields (empty ones
+    dropped)."""
     if not os.path.isfile(path):
         raise ValueError(f"curves: no file {path!r}")
+    rows = common.read_csv(path)
+    missing = {"task", "model", "step"} - set(rows[0] if rows else ())
+    if missing:
+        raise ValueError(f"curves: {path!r} is not a train_recall curves CSV "
+                         f"(no column {', '.join(sorted(missing))})")
     runs: dict[tuple[str, str], list[dict]] = {}
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = {"task", "model", "step"} - set(reader.fieldnames or ())
-        if missing:
-            raise ValueError(f"curves: {path!r} is not a train_recall curves CSV "
-                             f"(no column {', '.join(sorted(missing))})")
-        for row in reader:
-            point = {k: float(v) for k, v in row.items() if k not in ("task", "model") and v}
-            runs.setdefault((row["task"], row["model"]), []).append(point)
+    for row in rows:
+        point = {k: common.to_float(v) for k, v in row.items() if k not in ("task", "model")}
+        runs.setdefault((row["task"], row["model"]), []).append(
+            {k: v for k, v in point.items() if v is not None})
     for points in runs.values():
         points.sort(key=lambda p: p["step"])
     return runs
@@ -45,15 +51,10 @@ def parse_input(spec: str) -> tuple[str, str]:
     return path, label
 
 
-def last_points(inputs: list[tuple[str, dict]], metrics: list[str]) -> list[list[str]]:
-    """One row per (input, task, model): its last step and the metrics there."""
-    rows = []
-    for label, runs in inputs:
-        for (task, model), points in sorted(runs.items()):
-            last = points[-1]
-            rows.append([label, task, model, f"{last['step']:.0f}"]
-                        + [f"{last[m]:.3f}" if m in last else "-" for m in metrics])
-    return rows
+def last_points(inputs: list[tuple[str, dict]], metrics: list[str]) -> list[list]:
+    """One row per (input, task, model): its last step and the metrics there (None: absent)."""
+    return [[label, task, model, int(points[-1]["step"]), *(points[-1].get(m) for m in metrics)]
+            for label, runs in inputs for (task, model), points in sorted(runs.items())]
 
 
 def plot(path: str, inputs: list[tuple[str, dict]], metrics: list[str]) -> None:
@@ -77,12 +78,7 @@ def plot(path: str, inputs: list[tuple[str, dict]], metrics: list[str]) -> None:
                             markersize=3, label=f"{model} ({label}, {task})")
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_panels(fig, axes.flat, path, legend_fontsize=6)
 
 
 def main(argv=None) -> int:
@@ -101,11 +97,8 @@ def main(argv=None) -> int:
     if unknown:
         raise ValueError(f"--metrics: no input has {', '.join(unknown)} "
                          f"(columns: {', '.join(sorted(columns))})")
-    header = ["run", "task", "model", "step", *metrics]
-    rows = last_points(inputs, metrics)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print(common.format_table(last_points(inputs, metrics), ["run", "task", "model", "step",
+                                                             *metrics]))
     plot(args.out, inputs, metrics)
     print(f"plot -> {args.out}")
     return 0

@@ -775,6 +775,8 @@ def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
     the selection hit rate and the sel gate against steps."""
     import matplotlib
 
+    from bench import common
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -794,12 +796,7 @@ def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
                                 label=label + suffix)
             ax.set_title(f"{task}: {title}", fontsize=9)
             ax.set_xlabel(x)
-            ax.grid(alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    common.save_panels(fig, axes.flat, path)
 
 
 # ---------------------------------------------------------------------------------------------
