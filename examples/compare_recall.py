@@ -1,8 +1,8 @@
 """Compare `train_recall.py` runs: learning curves of several runs (seeds, variants) on one plot.
 
 Each input is a `*_curves.csv` that `train_recall.py` wrote, optionally labelled `path:label`
-(default label: the file's name without `_curves.csv`). One panel per metric against the
-training step; one colour per model, one line style per label (inputs with one label, e.g.
+(default label: the file's name without `_curves.csv`). One panel per metric (two a row) against
+the training step; one colour per model, one line style per label (inputs with one label, e.g.
 one seed's runs split over several files, share a style). Prints each run's last point.
 
     python examples/compare_recall.py bench/results/recall_cpu_mqar/mqar_s3_curves.csv:seed3 \\
@@ -67,8 +67,12 @@ def plot(path: str, inputs: list[tuple[str, dict]], metrics: list[str]) -> None:
     colours = {m: f"C{i % 10}" for i, m in enumerate(models)}
     labels = list(dict.fromkeys(label for label, _ in inputs))
     styles = {label: STYLES[i % len(STYLES)] for i, label in enumerate(labels)}
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.0 * len(metrics), 3.8), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    cols = min(2, len(metrics))
+    rows = -(-len(metrics) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.0 * cols, 4.0 * rows), squeeze=False)
+    for ax in axes.flat[len(metrics):]:
+        ax.axis("off")
+    for ax, metric in zip(axes.flat, metrics):
         for label, runs in inputs:
             for (task, model), points in sorted(runs.items()):
                 shown = [p for p in points if metric in p]
