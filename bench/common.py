@@ -586,6 +586,8 @@ def plot_lines(path: str, panels: Sequence[Mapping[str, Any]], title: str) -> No
 def save_panels(fig, axes, path: str, *, legend_fontsize: float = 7, dpi: int = 100) -> None:
     """Finish a figure of line panels: a grid on each panel, a legend where lines were drawn;
     then write the PNG (its folder made) and close the figure."""
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -593,8 +595,6 @@ def save_panels(fig, axes, path: str, *, legend_fontsize: float = 7, dpi: int = 
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
 
 
