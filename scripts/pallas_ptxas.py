@@ -32,6 +32,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.common import parse_literal  # noqa: E402
+from nsa_common.layout import num_admissible_cmp_blocks  # noqa: E402
 COLUMNS = ["kernel", "num_warps", "num_stages", "registers", "spill_stores", "spill_loads",
            "shared_bytes", "triton", "status"]
 
@@ -97,7 +98,7 @@ def lowered_call(kernel: str, args, fields: dict):
 
     S, H, G, dk, dv = args.S, args.H, args.G, args.dk, args.dv
     l, d, l_sel = 32, 16, 64
-    C = (S - l) // d + 1          # compressed blocks (nsa_common.num_cmp_blocks)
+    C = num_admissible_cmp_blocks(S - 1, l, d)      # compressed blocks of the sequence
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     if kernel == "select":
         from pallas_kernels.select_blocks import BlockSizes, select_blocks
