@@ -12,8 +12,10 @@ their probabilities in float32 registers; the "rows" layout holds `q_tile * h` (
 rows like `compressed_attention` and sums heads by a reshape. Step `k` covers selection blocks `[k*S, (k+1)*S)` (`S = block_sel`) and the
 compressed blocks `[k*S*r, (k+1)*S*r)` (`r = l_sel / d`, the compressed blocks that start inside
 them). A compressed block that starts in the previous step's range can still overlap this step's
-first selection block (when `l > d`), so the head-summed probabilities of the previous step are
-carried and weighted too: each `q k^T` is computed once. The weights are
+first selection block (when `l > d`), so each step also weights its head-summed probabilities
+for the next step's blocks and carries that `[queries, block_sel]` tile (not the `[queries,
+blocks]` probabilities: 16 registers a thread instead of 64 at the defaults): each `q k^T` is
+computed once. The weights are
 `overlap(cmp block i, sel block j) / d` (`nsa_common.overlap_weights`), built in the kernel from
 iotas; with l = 2d, l_sel = 4d they weight blocks `4j-1 .. 4j+3` by `[1, 2, 2, 2, 1]`.
 
@@ -156,9 +158,9 @@ class _Scorer:
 
     Step `k` covers selection blocks `[k*S, (k+1)*S)` and the compressed blocks
     `[k*span, (k+1)*span)` that start inside them; a compressed block that starts in the previous
-    step's range can still overlap this step's first selection block (when `l > d`), so the
-    head-summed probabilities of the previous step are carried and weighted too (each `q k^T`
-    is computed once). Steps whose compressed blocks every row of the tile sees whole need no
+    step's range can still overlap this step's first selection block (when `l > d`), so a step
+    also weights its head-summed probabilities with the next step's overlap weights and carries
+    that `[q_tile, block_sel]` share (each `q k^T` is computed once). Steps whose compressed blocks every row of the tile sees whole need no
     mask (`n_bulk`)."""
 
     def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: tiles.Tiling, cmp_block: int,
@@ -202,11 +204,12 @@ class _Scorer:
                 & (lax.rem(r, jnp.int32(tiling.h_pad)) < tiling.heads))
 
     def init(self):
-        return jnp.zeros((self.q_tile, self.width), jnp.float32)
+        return jnp.zeros((self.q_tile, self.block_sel), jnp.float32)
 
-    def step(self, k, previous, masked: bool):
+    def step(self, k, carried, masked: bool):
         """(scores `[q_tile, block_sel]` with forced blocks +inf and ineligible ones -inf, the
-        head-summed probabilities `[q_tile, width]` to carry into step k + 1)."""
+        share `[q_tile, block_sel]` of this step's probabilities in step k + 1's blocks).
+        carried: the previous step's share in this step's blocks."""
         first_block = k * self.span
         keys = self.k_ref[pl.ds(first_block, self.width), :]
         s2 = dot(self.q, keys, trans_b=True) * (self.scale * LOG2_E)
@@ -222,23 +225,19 @@ class _Scorer:
         if self.head_sum_dot and self.q_tile >= MATMUL_MIN:
             # Padded heads get weight 0 in `summer`, also in unmasked steps where their p is not.
             p_sum = _exact_dot(self.summer, p, split="b")
-            score = (_exact_dot(p_sum, self.w_current, split="a")
-                     + _exact_dot(previous, self.w_previous, split="a"))
         else:
             p = jnp.where(self.real[:, None], p, 0.0)  # padded heads
             p_sum = p.reshape(self.q_tile, self.tiling.h_pad, self.width).sum(axis=1)
-            score = self._weigh(p_sum, previous)
-        return self._force(k, score), p_sum
+        return self._force(k, self._weigh(p_sum, self.w_current) + carried), \
+            self._weigh(p_sum, self.w_previous)
 
-    def _weigh(self, p_sum, previous):
-        """Selection-block scores `[q_tile, block_sel]` of this step's and the previous step's
-        head-summed probabilities `[q_tile, width]` (the overlap weights)."""
+    def _weigh(self, p_sum, weights):
+        """Selection-block scores `[q_tile, block_sel]` of head-summed probabilities `[q_tile,
+        width]` under overlap weights `[width, block_sel]` (this step's or the next's)."""
         if self.q_tile >= MATMUL_MIN:
-            return (_exact_dot(p_sum, self.w_current, split="a")
-                    + _exact_dot(previous, self.w_previous, split="a"))
+            return _exact_dot(p_sum, weights, split="a")
         # a tl.dot needs >= 16 rows: tiny tiles weight in registers
-        return ((p_sum[:, :, None] * self.w_current[None]).sum(axis=1)
-                + (previous[:, :, None] * self.w_previous[None]).sum(axis=1))
+        return (p_sum[:, :, None] * weights[None]).sum(axis=1)
 
     def _force(self, k, score):
         """Step k's scores with forced blocks +inf and blocks after the query's own -inf."""
@@ -249,7 +248,7 @@ class _Scorer:
         return jnp.where(eligible, jnp.where(forced, jnp.inf, score), -jnp.inf)
 
     def run(self, body, carry):
-        """fori_loop `body(k, (previous, carry), masked)` over the unmasked steps, then the
+        """fori_loop `body(k, (carried, carry), masked)` over the unmasked steps, then the
         masked ones; returns the final carry."""
         state = (self.init(), carry)
         state = lax.fori_loop(0, self.n_bulk, functools.partial(body, masked=False), state)
@@ -270,7 +269,7 @@ class _HeadLoopScorer(_Scorer):
         query = first_query + jnp.arange(self.q_tile, dtype=jnp.int32)
         self.position, self.real = query, query < self.tiling.seq_len
 
-    def step(self, k, previous, masked: bool):
+    def step(self, k, carried, masked: bool):
         first_block = k * self.span
         keys = load_cols(self.k_ref, (pl.ds(first_block, self.width),), self.parts)
         scale2 = self.scale * LOG2_E
@@ -287,7 +286,8 @@ class _HeadLoopScorer(_Scorer):
         if masked:
             p_sum = jnp.where(tiles.admissible(self.position, self.real, first_block, self.width,
                                          **self.geometry), p_sum, 0.0)
-        return self._force(k, self._weigh(p_sum, previous)), p_sum
+        return (self._force(k, self._weigh(p_sum, self.w_current) + carried),
+                self._weigh(p_sum, self.w_previous))
 
 
 def _make_scorer(q_ref, k_ref, lse_ref, first_query, *, layout: str, **geometry):
@@ -303,10 +303,10 @@ def _select_kernel(q_ref, k_ref, lse_ref, idx_ref, *, n_sel: int, **geometry):
     block_sel = geometry["block_sel"]
 
     def body(k, state, masked):
-        previous, (top_val, top_idx) = state
-        score, p_sum = scorer.step(k, previous, masked)
+        carried, (top_val, top_idx) = state
+        score, carried = scorer.step(k, carried, masked)
         index = k * block_sel + lax.broadcasted_iota(jnp.int32, (q_tile, block_sel), 1)
-        return p_sum, insert_top(top_val, top_idx, score, index)
+        return carried, insert_top(top_val, top_idx, score, index)
 
     _, top_idx = scorer.run(body, empty_top(q_tile, n_sel, idx_ref.shape[1]))
     block_idx = ascending(top_idx, n_sel)
@@ -326,10 +326,10 @@ def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, q_offset: int, **geometry
     block_sel = geometry["block_sel"]
 
     def body(k, state, masked):
-        previous, carry = state
-        score, p_sum = scorer.step(k, previous, masked)
+        carried, carry = state
+        score, carried = scorer.step(k, carried, masked)
         score_ref[:, pl.ds(k * block_sel, block_sel)] = score
-        return p_sum, carry
+        return carried, carry
 
     scorer.run(body, jnp.int32(0))
 
