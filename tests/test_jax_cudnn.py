@@ -131,6 +131,60 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
 
 
+def test_cudnn_gets_v_unpadded_only_in_the_mla_form(monkeypatch):
+    """d_v < d_k: v goes to cuDNN as it is where asked (`mla=True`) or, by default, where
+    `cudnn_mla()` (never on a CPU); padded to d_k otherwise; d_v = d_k is never touched."""
+    v = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+    assert not cudnn.cudnn_mla() or jax.default_backend() == "gpu"
+    assert cudnn._cudnn_v(v, 16, True) is v
+    padded = cudnn._cudnn_v(v, 16, False)
+    assert padded.shape == (1, 4, 2, 16) and not np.any(np.asarray(padded[..., 8:]))
+    assert cudnn._cudnn_v(v, 8, False) is v
+    for auto in (True, False):
+        monkeypatch.setattr(cudnn, "cudnn_mla", lambda: auto)
+        assert cudnn._cudnn_v(v, 16, None).shape[-1] == (8 if auto else 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
+def test_gpu_cudnn_mla_form_matches_padded_v():
+    """The paper's heads (d_k 192, d_v 128) on cuDNN with v unpadded against v padded to 192:
+    the folded compressed branch (o, lse, gradients) and the window (o, gradients), bf16."""
+    if not cudnn.cudnn_mla():
+        pytest.skip("cuDNN < 9.10 or not a Hopper GPU: no MLA form")
+    cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
+    B, T, H, G, d_k, d_v = 1, 4096, 16, 2, 192, 128
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(11), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    do = jax.random.normal(jax.random.PRNGKey(12), (B, T, H, d_v), jnp.bfloat16)
+    scale = d_k ** -0.5
+
+    def run(fn, *args):
+        out, pullback = jax.vjp(fn, *args)
+        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
+        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+
+    def close(got, want, names):
+        for name, g, w in zip(names, got, want):
+            assert g.shape == w.shape, name
+            assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+
+    l = cfg.cmp_block
+    form = {mla: run(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale,
+        attend=lambda *a: cudnn.causal_attention(*a, mla=mla)), q, k_cmp, v_cmp)
+        for mla in (True, False)}
+    close((form[True][0], form[True][1][:, l - 1:], *form[True][2:]),
+          (form[False][0], form[False][1][:, l - 1:], *form[False][2:]),
+          ("o", "lse", "dq", "dk", "dv"))
+    k = k_cmp[:, :1].repeat(T, 1) + jax.random.normal(jax.random.PRNGKey(13), (B, T, G, d_k),
+                                                        jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(14), (B, T, G, d_v), jnp.bfloat16)
+    window = {mla: run(lambda q, k, v: cudnn.window_attention(q, k, v, window=512, scale=scale,
+                                                               fa3=False, mla=mla), q, k, v)
+              for mla in (True, False)}
+    close(window[True], window[False], ("o", "dq", "dk", "dv"))
+
+
 @pytest.fixture
 def fa3_f64(monkeypatch):
     monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward_f64, fa3_backward_f64))
