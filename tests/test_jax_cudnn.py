@@ -131,18 +131,76 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
 
 
-def test_cudnn_gets_v_unpadded_only_in_the_mla_form(monkeypatch):
-    """d_v < d_k: v goes to cuDNN as it is where asked (`mla=True`) or, by default, where
-    `cudnn_mla()` (never on a CPU); padded to d_k otherwise; d_v = d_k is never touched."""
-    v = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+def _attention_f64(q, k, v, scale, window):
+    """Causal GQA attention in float64, keys `t - window + 1 .. t` (None: all): (o, lse
+    `[B, S, N]`)."""
+    B, S, N, _ = q.shape
+    group = N // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k) * scale
+    t = jnp.arange(S)
+    keep = t[None, :] <= t[:, None]
+    if window is not None:
+        keep &= t[None, :] > t[:, None] - window
+    s = jnp.where(keep, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v), jnp.swapaxes(lse, 1, 2)
+
+
+def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
+    """d_v < d_k: v reaches cuDNN unpadded through jax's private function where `mla` (its lse
+    `[B, N, S]` turned to `[B, S, N]`), padded through the public call otherwise, and back to
+    the public call, with a warning, when the private one refuses its arguments. Float64
+    stand-ins of both calls; the public one refuses d_v != d_k as jax 0.11.2's does (R63)."""
+    calls = []
+
+    def public(q, k, v, *, scale, is_causal, implementation, local_window_size=None,
+               return_residual=False):
+        assert is_causal and implementation == "cudnn"
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError("value shape should be [..., d_k]")
+        calls.append(("public", v.shape[-1]))
+        window = None if local_window_size is None else local_window_size[0] + 1
+        o, lse = _attention_f64(q, k, v, scale, window)
+        return (o, lse) if return_residual else o
+
+    class MaskType:
+        CAUSAL = "causal"
+
+    def private(*, query, key, value, scale, mask_type, sliding_window_length,
+                return_residual):
+        assert mask_type == "causal"
+        calls.append(("private", value.shape[-1]))
+        o, lse = _attention_f64(query, key, value, scale, sliding_window_length)
+        return (o, jnp.swapaxes(lse, 1, 2)) if return_residual else o
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", public)
+    monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (private, MaskType))
     assert not cudnn.cudnn_mla() or jax.default_backend() == "gpu"
-    assert cudnn._cudnn_v(v, 16, True) is v
-    padded = cudnn._cudnn_v(v, 16, False)
-    assert padded.shape == (1, 4, 2, 16) and not np.any(np.asarray(padded[..., 8:]))
-    assert cudnn._cudnn_v(v, 8, False) is v
-    for auto in (True, False):
-        monkeypatch.setattr(cudnn, "cudnn_mla", lambda: auto)
-        assert cudnn._cudnn_v(v, 16, None).shape[-1] == (8 if auto else 16)
+    B, S, N, G, d_k, d_v, scale = 1, 24, 4, 2, 16, 8, 0.3
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(keys[0], (B, S, N, d_k), jnp.float64)
+    k = jax.random.normal(keys[1], (B, S, G, d_k), jnp.float64)
+    v = jax.random.normal(keys[2], (B, S, G, d_v), jnp.float64)
+    want_o, want_lse = _attention_f64(q, k, v, scale, None)
+    want_window = _attention_f64(q, k, v, scale, 5)[0]
+    for mla, route in ((True, "private"), (False, "public")):
+        calls.clear()
+        o, lse = cudnn.causal_attention(q, k, v, scale, mla=mla)
+        assert o.shape == (B, S, N, d_v) and lse.shape == (B, S, N)
+        assert rel_err(o, want_o) <= 1e-12 and rel_err(lse, want_lse) <= 1e-12
+        window = cudnn.window_attention(q, k, v, window=5, scale=scale, fa3=False, mla=mla)
+        assert rel_err(window, want_window) <= 1e-12
+        assert calls == [(route, d_v if mla else d_k)] * 2
+
+    def refusing(**kw):
+        raise TypeError("unexpected keyword argument 'sliding_window_length'")
+
+    monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (refusing, MaskType))
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match="padded to d_k"):
+        o, _ = cudnn.causal_attention(q, k, v, scale, mla=True)
+    assert rel_err(o, want_o) <= 1e-12 and calls == [("public", d_k)]
 
 
 @pytest.mark.gpu

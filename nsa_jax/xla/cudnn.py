@@ -19,6 +19,7 @@ of `XlaOptions` and `PallasOptions`, on by default). On an H200 it ran the 64k w
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +50,24 @@ def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _cudnn_private():
+    """jax's own cuDNN attention below `jax.nn.dot_product_attention`: (function, MaskType),
+    or None. The public call refuses `d_v != d_k` (jax 0.11.2: "value shape should be
+    [.., d_k]", bench/RESULTS.md R63) although this function and cuDNN take it. Private, so
+    every use falls back to the public call if it is missing or refuses its arguments."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as private
+        return private.dot_product_attention, private.MaskType
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def cudnn_mla() -> bool:
-    """Whether cuDNN takes `d_v < d_k` without padding v: jax's "MLA" form, which asks for a
-    Hopper or later GPU and cuDNN >= 9.10. Unpadded, the `p @ v` products and dv of the paper's
-    192 / 128 heads are a third smaller."""
-    if max_head_dim() != _MAX_HEAD_DIM_SM90:
+    """Whether cuDNN can take `d_v < d_k` without padding v here: jax's "MLA" form, which asks
+    for a Hopper or later GPU, cuDNN >= 9.10 and jax's private cuDNN function. Unpadded, the
+    `p @ v` products and dv of the paper's 192 / 128 heads are a third smaller."""
+    if max_head_dim() != _MAX_HEAD_DIM_SM90 or _cudnn_private() is None:
         return False
     try:
         from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
@@ -62,11 +76,38 @@ def cudnn_mla() -> bool:
         return False
 
 
-def _cudnn_v(v: jax.Array, d_k: int, mla: bool | None) -> jax.Array:
-    """v as cuDNN gets it: as it is where `mla` (None: `cudnn_mla()`), else padded to d_k."""
-    if v.shape[-1] < d_k and not (cudnn_mla() if mla is None else mla):
-        return pad_v(v, d_k)
-    return v
+def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: bool,
+                     mla: bool | None):
+    """Causal cuDNN attention (keys `t - window + 1 .. t` where `window`): o `[B, S, N, d_v]`,
+    and with `residual` the lse `[B, S, N]` too. `d_v < d_k` goes in unpadded through jax's
+    private function where `mla` (None: `cudnn_mla()`), else with v padded to d_k through
+    `jax.nn.dot_product_attention`. The private path's lse stays float32; the public call's
+    comes back in q's dtype."""
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    if d_v < d_k and (cudnn_mla() if mla is None else mla):
+        fn, mask_type = _cudnn_private()
+        try:
+            out = fn(query=q, key=k, value=v, scale=scale, mask_type=mask_type.CAUSAL,
+                     sliding_window_length=window, return_residual=residual)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            _warn_mla_fallback(exc)
+        else:
+            if residual:
+                o, lse = out
+                return o, jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
+            return out
+    out = jax.nn.dot_product_attention(
+        q, k, pad_v(v, d_k), scale=scale, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0),
+        return_residual=residual)
+    if residual:
+        return out[0][..., :d_v], out[1]
+    return out[..., :d_v]
+
+
+def _warn_mla_fallback(exc) -> None:
+    warnings.warn(f"cuDNN's d_v < d_k form was refused ({type(exc).__name__}: {exc}); v is "
+                  f"padded to d_k instead", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,9 +214,7 @@ def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, s
     `cudnn_mla()`). Shapes as `fa3_window_attention`; the caller checks `takes`."""
     if fa3 and fa3_takes(q, k, v):
         return fa3_window_attention(q, k, v, window=window, scale=scale)
-    return jax.nn.dot_product_attention(
-        q, k, _cudnn_v(v, q.shape[-1], mla), scale=scale, is_causal=True,
-        local_window_size=(window - 1, 0), implementation="cudnn")[..., :v.shape[-1]]
+    return _cudnn_attention(q, k, v, scale, window=window, residual=False, mla=mla)
 
 
 def fused_causal(fa3: bool, q: jax.Array, k: jax.Array, v: jax.Array):
@@ -194,10 +233,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *,
     """cuDNN's causal attention, q `[B, S, N, d_k]`, k `[B, S, N_kv, d_k]`, v
     `[B, S, N_kv, d_v <= d_k]` -> (o `[B, S, N, d_v]`, lse `[B, S, N]`); v unpadded where `mla`
     (None: `cudnn_mla()`)."""
-    o, lse = jax.nn.dot_product_attention(q, k, _cudnn_v(v, q.shape[-1], mla), scale=scale,
-                                          is_causal=True, implementation="cudnn",
-                                          return_residual=True)
-    return o[..., :v.shape[-1]], lse
+    return _cudnn_attention(q, k, v, scale, window=None, residual=True, mla=mla)
 
 
 def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig, *,
