@@ -149,9 +149,10 @@ def _attention_f64(q, k, v, scale, window):
 
 def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
     """d_v < d_k: v reaches cuDNN unpadded through jax's private function where `mla` (its lse
-    `[B, N, S]` turned to `[B, S, N]`), padded through the public call otherwise, and back to
-    the public call, with a warning, when the private one refuses its arguments. Float64
-    stand-ins of both calls; the public one refuses d_v != d_k as jax 0.11.2's does (R63)."""
+    `[B, N, S]` turned to `[B, S, N]`), padded otherwise; a call that wants the lse takes the
+    private function either way (the public one casts the lse to q's dtype); back to the
+    public call, with a warning, when the private one refuses its arguments. Float64 stand-ins
+    of both calls; the public one refuses d_v != d_k as jax 0.11.2's does (R63)."""
     calls = []
 
     def public(q, k, v, *, scale, is_causal, implementation, local_window_size=None,
@@ -184,21 +185,22 @@ def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
     v = jax.random.normal(keys[2], (B, S, G, d_v), jnp.float64)
     want_o, want_lse = _attention_f64(q, k, v, scale, None)
     want_window = _attention_f64(q, k, v, scale, 5)[0]
-    for mla, route in ((True, "private"), (False, "public")):
+    for mla, routes in ((True, [("private", d_v)] * 2),
+                        (False, [("private", d_k), ("public", d_k)])):
         calls.clear()
         o, lse = cudnn.causal_attention(q, k, v, scale, mla=mla)
         assert o.shape == (B, S, N, d_v) and lse.shape == (B, S, N)
         assert rel_err(o, want_o) <= 1e-12 and rel_err(lse, want_lse) <= 1e-12
         window = cudnn.window_attention(q, k, v, window=5, scale=scale, fa3=False, mla=mla)
         assert rel_err(window, want_window) <= 1e-12
-        assert calls == [(route, d_v if mla else d_k)] * 2
+        assert calls == routes
 
     def refusing(**kw):
         raise TypeError("unexpected keyword argument 'sliding_window_length'")
 
     monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (refusing, MaskType))
     calls.clear()
-    with pytest.warns(RuntimeWarning, match="padded to d_k"):
+    with pytest.warns(RuntimeWarning, match="v padded to d_k"):
         o, _ = cudnn.causal_attention(q, k, v, scale, mla=True)
     assert rel_err(o, want_o) <= 1e-12 and calls == [("public", d_k)]
 

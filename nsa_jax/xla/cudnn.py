@@ -79,35 +79,42 @@ def cudnn_mla() -> bool:
 def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: bool,
                      mla: bool | None):
     """Causal cuDNN attention (keys `t - window + 1 .. t` where `window`): o `[B, S, N, d_v]`,
-    and with `residual` the lse `[B, S, N]` too. `d_v < d_k` goes in unpadded through jax's
-    private function where `mla` (None: `cudnn_mla()`), else with v padded to d_k through
-    `jax.nn.dot_product_attention`. The private path's lse stays float32; the public call's
-    comes back in q's dtype."""
+    and with `residual` the lse `[B, S, N]` float32 too.
+
+    `d_v < d_k` goes in unpadded where `mla` (None: `cudnn_mla()`), else with v padded to d_k.
+    jax's private function takes the unpadded form, and every call that wants the lse: the
+    public `jax.nn.dot_product_attention` returns the lse cast to q's dtype (bf16: about 3
+    significant digits, which the selection's `exp(s - lse)` would inherit). Elsewhere, and
+    wherever the private function is missing or refuses its arguments, the public call runs."""
     d_k, d_v = q.shape[-1], v.shape[-1]
-    if d_v < d_k and (cudnn_mla() if mla is None else mla):
-        fn, mask_type = _cudnn_private()
+    unpadded = d_v == d_k or (cudnn_mla() if mla is None else mla)
+    private = _cudnn_private()
+    if private is not None and (residual or (d_v < d_k and unpadded)):
+        fn, mask_type = private
         try:
-            out = fn(query=q, key=k, value=v, scale=scale, mask_type=mask_type.CAUSAL,
-                     sliding_window_length=window, return_residual=residual)
+            out = fn(query=q, key=k, value=v if unpadded else pad_v(v, d_k), scale=scale,
+                     mask_type=mask_type.CAUSAL, sliding_window_length=window,
+                     return_residual=residual)
         except (TypeError, ValueError, NotImplementedError) as exc:
-            _warn_mla_fallback(exc)
+            _warn_private_fallback(exc)
         else:
             if residual:
                 o, lse = out
-                return o, jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
+                return o[..., :d_v], jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
             return out
     out = jax.nn.dot_product_attention(
         q, k, pad_v(v, d_k), scale=scale, is_causal=True, implementation="cudnn",
         local_window_size=None if window is None else (window - 1, 0),
         return_residual=residual)
     if residual:
-        return out[0][..., :d_v], out[1]
+        return out[0][..., :d_v], out[1].astype(jnp.promote_types(out[1].dtype, jnp.float32))
     return out[..., :d_v]
 
 
-def _warn_mla_fallback(exc) -> None:
-    warnings.warn(f"cuDNN's d_v < d_k form was refused ({type(exc).__name__}: {exc}); v is "
-                  f"padded to d_k instead", RuntimeWarning, stacklevel=3)
+def _warn_private_fallback(exc) -> None:
+    warnings.warn(f"jax's private cuDNN attention refused its arguments ({type(exc).__name__}: "
+                  f"{exc}); running jax.nn.dot_product_attention with v padded to d_k",
+                  RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
