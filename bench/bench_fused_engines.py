@@ -4,11 +4,15 @@ The window branch (`nsa_jax.xla.cudnn.window_attention`, window w) and the compr
 folded into a causal square (`cudnn.compressed_attention`, its fold and lse included, on
 `causal_attention` or `fa3_causal_attention`), forward and forward+backward, timed with
 `bench.common.time_jax_fn`. These are the calls the layer makes where `XlaOptions.fa3` /
-`PallasOptions.fa3` pick the engine; this script is the evidence for that default. Prints a
-table and writes `<out>/fused_engines.csv`; rows that cannot run here (no GPU, no package) are
-written with status `skip`.
+`PallasOptions.fa3` pick the engine; this script is the evidence for that default. Engines:
+`cudnn` (as the layer calls it: v unpadded where `cudnn.cudnn_mla()`), `cudnn_padded` (d_v <
+d_k only: v zero-padded to d_k, the form before the MLA one) and `fa3` (where
+`cudnn.fa3_takes`: this flash_attn3_jax build takes heads <= 128). `max_abs_diff_o` is each
+engine's output against `cudnn`'s. Prints a table and writes `<out>/fused_engines.csv`; rows
+that cannot run here (no GPU, no package) are written with status `skip`.
 
     python bench/bench_fused_engines.py --S_list 8k,64k --out artifacts/fused
+    python bench/bench_fused_engines.py --S_list 64k --dk 192 --dv 128 --out artifacts/fused192
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ def build_parser():
     p.add_argument("--H", type=int, default=64)
     p.add_argument("--G", type=int, default=4)
     p.add_argument("--d", type=int, default=128, help="head size (d_k = d_v)")
+    p.add_argument("--dk", type=int, default=None, help="query/key head size (default --d)")
+    p.add_argument("--dv", type=int, default=None, help="value head size (default --d)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--cmp_block", type=int, default=32)
     p.add_argument("--cmp_stride", type=int, default=16)
@@ -48,31 +54,38 @@ def forms(args, S: int):
     from nsa_common import NSAConfig, num_cmp_blocks
     from nsa_jax.xla import cudnn
 
-    scale = 1 / math.sqrt(args.d)
-    cfg = NSAConfig.tiny().replace(n_heads=args.H, n_kv_heads=args.G, d_k=args.d, d_v=args.d,
+    dk, dv = args.dk, args.dv
+    scale = 1 / math.sqrt(dk)
+    cfg = NSAConfig.tiny().replace(n_heads=args.H, n_kv_heads=args.G, d_k=dk, d_v=dv,
                                    cmp_block=args.cmp_block, cmp_stride=args.cmp_stride,
                                    sel_block=2 * args.cmp_block, window=args.window)
-    x = jnp.zeros((1, 8, 1, args.d), jnp.bfloat16)  # what the engines take: head size, dtype
-    if not cudnn.takes(x, x, x):
+    # What the engines take: head sizes, dtype.
+    x, y = jnp.zeros((1, 8, 1, dk), jnp.bfloat16), jnp.zeros((1, 8, 1, dv), jnp.bfloat16)
+    if not cudnn.takes(x, x, y):
         raise Skip("cuDNN's fused attention does not take these shapes here")
-    if not cudnn.fa3_takes(x, x, x):
-        raise Skip("flash_attn3_jax not installed, not a Hopper GPU, or d > 128")
 
-    def window(fa3):
+    def window(fa3, mla=None):
         return lambda q, k, v: cudnn.window_attention(q, k, v, window=args.window, scale=scale,
-                                                      fa3=fa3)
+                                                      fa3=fa3, mla=mla)
 
     def compressed(attend):
         return lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale,
                                                           attend=attend)[0]
 
+    padded = lambda q, k, v, scale: cudnn.causal_attention(q, k, v, scale, mla=False)
+    window_engines = {"cudnn": window(False)}
+    compressed_engines = {"cudnn": compressed(cudnn.causal_attention)}
+    if dv < dk:
+        window_engines["cudnn_padded"] = window(False, mla=False)
+        compressed_engines["cudnn_padded"] = compressed(padded)
+    if cudnn.fa3_takes(x, x, y):
+        window_engines["fa3"] = window(True)
+        compressed_engines["fa3"] = compressed(cudnn.fa3_causal_attention)
     C = num_cmp_blocks(cfg, S)
     return {
-        "window": ((1, S, args.H, args.d), (1, S, args.G, args.d),
-                   {"cudnn": window(False), "fa3": window(True)}),
-        "compressed": ((1, S, args.H, args.d), (1, C, args.G, args.d),
-                       {"cudnn": compressed(cudnn.causal_attention),
-                        "fa3": compressed(cudnn.fa3_causal_attention)}),
+        "window": ((1, S, args.H, dk), (1, S, args.G, dk), (1, S, args.G, dv), window_engines),
+        "compressed": ((1, S, args.H, dk), (1, C, args.G, dk), (1, C, args.G, dv),
+                       compressed_engines),
     }
 
 
@@ -97,13 +110,14 @@ def run_S(args, S: int) -> list[dict]:
     except Skip as exc:
         return [dict(base, form="-", engine="-", status=f"skip: {exc}")]
     rows = []
-    for form, (q_shape, k_shape, engines) in table.items():
+    for form, (q_shape, k_shape, v_shape, engines) in table.items():
         key = jax.random.PRNGKey(S)
+        do_shape = q_shape[:3] + v_shape[3:]
         q, k, v, do = (jax.random.normal(jax.random.fold_in(key, i), shape, jnp.bfloat16)
-                       for i, shape in enumerate((q_shape, k_shape, k_shape, q_shape)))
+                       for i, shape in enumerate((q_shape, k_shape, v_shape, do_shape)))
         outs = {name: jax.jit(f)(q, k, v).astype(jnp.float32) for name, f in engines.items()}
-        diff = float(jnp.max(jnp.abs(outs["cudnn"] - outs["fa3"])))
         for name, f in engines.items():
+            diff = float(jnp.max(jnp.abs(outs[name] - outs["cudnn"])))
             for pass_name, fn, inputs in (("fwd", f, (q, k, v)),
                                           ("fwd_bwd", with_backward(f), (q, k, v, do))):
                 row = dict(base, form=form, engine=name, max_abs_diff_o=diff, **{"pass": pass_name})
@@ -120,6 +134,10 @@ def run_S(args, S: int) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     _, args = common.start(lambda a: common.finish_args(build_parser().parse_args(a)), argv)
+    args.dk = args.d if args.dk is None else args.dk
+    args.dv = args.d if args.dv is None else args.dv
+    if args.dv > args.dk:
+        raise ValueError(f"--dv ({args.dv}) must be at most --dk ({args.dk})")
     sizes = common.parse_int_list(args.S_list, "--S_list")
     rows = []
     for S in common.progress(sizes, desc="S", enabled=not args.no_progress):

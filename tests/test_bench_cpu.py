@@ -414,6 +414,29 @@ def test_fused_engines_cpu_writes_skip_rows(tmp_path, cpu_env):
         bench_fused_engines.main(["--device", "cpu", "--S_list", "x", "--out", str(tmp_path)])
 
 
+def test_fused_engines_of_the_paper_heads(tmp_path, cpu_env, monkeypatch):
+    """d_k 192 / d_v 128: cuDNN as the layer calls it and with v padded, no FA-3 (this build
+    takes heads <= 128); d_k = d_v: no padded engine; --dv above --dk is refused."""
+    from types import SimpleNamespace
+
+    from bench import bench_fused_engines
+    from nsa_jax.xla import cudnn
+
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: True)
+    monkeypatch.setattr(cudnn, "fa3_takes", lambda q, k, v: q.shape[-1] <= 128)
+    args = SimpleNamespace(dk=192, dv=128, H=8, G=2, window=64, cmp_block=32, cmp_stride=16)
+    table = bench_fused_engines.forms(args, 1024)
+    for form, (q_shape, k_shape, v_shape, engines) in table.items():
+        assert list(engines) == ["cudnn", "cudnn_padded"], form
+        assert q_shape[-1] == k_shape[-1] == 192 and v_shape[-1] == 128
+    args.dk = 128
+    assert all(list(e[-1]) == ["cudnn", "fa3"] for e in
+               bench_fused_engines.forms(args, 1024).values())
+    with pytest.raises(ValueError, match="--dv"):
+        bench_fused_engines.main(["--device", "cpu", "--S_list", "1k", "--dk", "64", "--dv",
+                                  "128", "--out", str(tmp_path)])
+
+
 def test_failure_status_of_an_isolated_row():
     """A worker killed at its time limit is TIMEOUT even when the note carries its log's tail
     (run_row_subprocess appends it when no record came back); any other failure is ERROR."""

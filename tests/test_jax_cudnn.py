@@ -131,6 +131,120 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
 
 
+def _attention_f64(q, k, v, scale, window):
+    """Causal GQA attention in float64, keys `t - window + 1 .. t` (None: all): (o, lse
+    `[B, S, N]`)."""
+    B, S, N, _ = q.shape
+    group = N // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqnd,bknd->bnqk", q, k) * scale
+    t = jnp.arange(S)
+    keep = t[None, :] <= t[:, None]
+    if window is not None:
+        keep &= t[None, :] > t[:, None] - window
+    s = jnp.where(keep, s, -jnp.inf)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bnqk,bknd->bqnd", jnp.exp(s - lse[..., None]), v), jnp.swapaxes(lse, 1, 2)
+
+
+def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
+    """d_v < d_k: v reaches cuDNN unpadded through jax's private function where `mla` (its lse
+    `[B, N, S]` turned to `[B, S, N]`), padded otherwise; a call that wants the lse takes the
+    private function either way (the public one casts the lse to q's dtype); back to the
+    public call, with a warning, when the private one refuses its arguments. Float64 stand-ins
+    of both calls; the public one refuses d_v != d_k as jax 0.11.2's does (R63)."""
+    calls = []
+
+    def public(q, k, v, *, scale, is_causal, implementation, local_window_size=None,
+               return_residual=False):
+        assert is_causal and implementation == "cudnn"
+        if v.shape[-1] != q.shape[-1]:
+            raise ValueError("value shape should be [..., d_k]")
+        calls.append(("public", v.shape[-1]))
+        window = None if local_window_size is None else local_window_size[0] + 1
+        o, lse = _attention_f64(q, k, v, scale, window)
+        return (o, lse) if return_residual else o
+
+    class MaskType:
+        CAUSAL = "causal"
+
+    def private(*, query, key, value, scale, mask_type, sliding_window_length,
+                return_residual):
+        assert mask_type == "causal"
+        calls.append(("private", value.shape[-1]))
+        o, lse = _attention_f64(query, key, value, scale, sliding_window_length)
+        return (o, jnp.swapaxes(lse, 1, 2)) if return_residual else o
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", public)
+    monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (private, MaskType))
+    assert not cudnn.cudnn_mla() or jax.default_backend() == "gpu"
+    B, S, N, G, d_k, d_v, scale = 1, 24, 4, 2, 16, 8, 0.3
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(keys[0], (B, S, N, d_k), jnp.float64)
+    k = jax.random.normal(keys[1], (B, S, G, d_k), jnp.float64)
+    v = jax.random.normal(keys[2], (B, S, G, d_v), jnp.float64)
+    want_o, want_lse = _attention_f64(q, k, v, scale, None)
+    want_window = _attention_f64(q, k, v, scale, 5)[0]
+    for mla, routes in ((True, [("private", d_v)] * 2),
+                        (False, [("private", d_k), ("public", d_k)])):
+        calls.clear()
+        o, lse = cudnn.causal_attention(q, k, v, scale, mla=mla)
+        assert o.shape == (B, S, N, d_v) and lse.shape == (B, S, N)
+        assert rel_err(o, want_o) <= 1e-12 and rel_err(lse, want_lse) <= 1e-12
+        window = cudnn.window_attention(q, k, v, window=5, scale=scale, fa3=False, mla=mla)
+        assert rel_err(window, want_window) <= 1e-12
+        assert calls == routes
+
+    def refusing(**kw):
+        raise TypeError("unexpected keyword argument 'sliding_window_length'")
+
+    monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (refusing, MaskType))
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match="v padded to d_k"):
+        o, _ = cudnn.causal_attention(q, k, v, scale, mla=True)
+    assert rel_err(o, want_o) <= 1e-12 and calls == [("public", d_k)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not jax_has_gpu(), reason="needs a GPU")
+def test_gpu_cudnn_mla_form_matches_padded_v():
+    """The paper's heads (d_k 192, d_v 128) on cuDNN with v unpadded against v padded to 192:
+    the folded compressed branch (o, lse, gradients) and the window (o, gradients), bf16."""
+    if not cudnn.cudnn_mla():
+        pytest.skip("cuDNN < 9.10 or not a Hopper GPU: no MLA form")
+    cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
+    B, T, H, G, d_k, d_v = 1, 4096, 16, 2, 192, 128
+    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(11), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    do = jax.random.normal(jax.random.PRNGKey(12), (B, T, H, d_v), jnp.bfloat16)
+    scale = d_k ** -0.5
+
+    def run(fn, *args):
+        out, pullback = jax.vjp(fn, *args)
+        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
+        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+
+    def close(got, want, names):
+        for name, g, w in zip(names, got, want):
+            assert g.shape == w.shape, name
+            assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+
+    l = cfg.cmp_block
+    form = {mla: run(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale,
+        attend=lambda *a: cudnn.causal_attention(*a, mla=mla)), q, k_cmp, v_cmp)
+        for mla in (True, False)}
+    close((form[True][0], form[True][1][:, l - 1:], *form[True][2:]),
+          (form[False][0], form[False][1][:, l - 1:], *form[False][2:]),
+          ("o", "lse", "dq", "dk", "dv"))
+    k = k_cmp[:, :1].repeat(T, 1) + jax.random.normal(jax.random.PRNGKey(13), (B, T, G, d_k),
+                                                        jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(14), (B, T, G, d_v), jnp.bfloat16)
+    window = {mla: run(lambda q, k, v: cudnn.window_attention(q, k, v, window=512, scale=scale,
+                                                               fa3=False, mla=mla), q, k, v)
+              for mla in (True, False)}
+    close(window[True], window[False], ("o", "dq", "dk", "dv"))
+
+
 @pytest.fixture
 def fa3_f64(monkeypatch):
     monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward_f64, fa3_backward_f64))

@@ -19,6 +19,7 @@ of `XlaOptions` and `PallasOptions`, on by default). On an H200 it ran the 64k w
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +42,79 @@ def max_head_dim() -> int:
 
 def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether cuDNN's flash attention can take these arrays on this machine: a GPU, bf16 /
-    fp16 throughout, one head size (`d_v < d_k` goes in with v zero-padded), a multiple of 8."""
+    fp16 throughout, a head size that is a multiple of 8, `d_v <= d_k` (`d_v < d_k` goes in as
+    it is where `cudnn_mla()`, else with v zero-padded to d_k)."""
     return (jax.default_backend() == "gpu" and q.dtype in CUDNN_DTYPES
             and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]
             and q.shape[-1] % 8 == 0 and q.shape[-1] <= max_head_dim())
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_private():
+    """jax's own cuDNN attention below `jax.nn.dot_product_attention`: (function, MaskType),
+    or None. The public call refuses `d_v != d_k` (jax 0.11.2: "value shape should be
+    [.., d_k]", bench/RESULTS.md R63) although this function and cuDNN take it. Private, so
+    every use falls back to the public call if it is missing or refuses its arguments."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as private
+        return private.dot_product_attention, private.MaskType
+    except (ImportError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_mla() -> bool:
+    """Whether cuDNN can take `d_v < d_k` without padding v here: jax's "MLA" form, which asks
+    for a Hopper or later GPU, cuDNN >= 9.10 and jax's private cuDNN function. Unpadded, the
+    `p @ v` products and dv of the paper's 192 / 128 heads are a third smaller."""
+    if max_head_dim() != _MAX_HEAD_DIM_SM90 or _cudnn_private() is None:
+        return False
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+        return check_cudnn_version() >= 91000
+    except Exception:  # no cuDNN, or a jax without this private helper: pad as before
+        return False
+
+
+def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: bool,
+                     mla: bool | None):
+    """Causal cuDNN attention (keys `t - window + 1 .. t` where `window`): o `[B, S, N, d_v]`,
+    and with `residual` the lse `[B, S, N]` float32 too.
+
+    `d_v < d_k` goes in unpadded where `mla` (None: `cudnn_mla()`), else with v padded to d_k.
+    jax's private function takes the unpadded form, and every call that wants the lse: the
+    public `jax.nn.dot_product_attention` returns the lse cast to q's dtype (bf16: about 3
+    significant digits, which the selection's `exp(s - lse)` would inherit). Elsewhere, and
+    wherever the private function is missing or refuses its arguments, the public call runs."""
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    unpadded = d_v == d_k or (cudnn_mla() if mla is None else mla)
+    private = _cudnn_private()
+    if private is not None and (residual or (d_v < d_k and unpadded)):
+        fn, mask_type = private
+        try:
+            out = fn(query=q, key=k, value=v if unpadded else pad_v(v, d_k), scale=scale,
+                     mask_type=mask_type.CAUSAL, sliding_window_length=window,
+                     return_residual=residual)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            _warn_private_fallback(exc)
+        else:
+            if residual:
+                o, lse = out
+                return o[..., :d_v], jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
+            return out
+    out = jax.nn.dot_product_attention(
+        q, k, pad_v(v, d_k), scale=scale, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0),
+        return_residual=residual)
+    if residual:
+        return out[0][..., :d_v], out[1].astype(jnp.promote_types(out[1].dtype, jnp.float32))
+    return out[..., :d_v]
+
+
+def _warn_private_fallback(exc) -> None:
+    warnings.warn(f"jax's private cuDNN attention refused its arguments ({type(exc).__name__}: "
+                  f"{exc}); running jax.nn.dot_product_attention with v padded to d_k",
+                  RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,10 +191,11 @@ _fa3_attention.defvjp(_fa3_attention_fwd, _fa3_attention_bwd)
 
 def fa3_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float):
     """FlashAttention-3's causal attention with the signature of `causal_attention`: q
-    `[B, S, N, d]`, k / v `[B, S, N_kv, d]` (one head size) -> (o, lse `[B, S, N]` float32);
-    the lse carries no gradient. The caller checks `fa3_takes`."""
-    o, lse = _fa3_attention(q, k, v, float(scale), (-1, -1))
-    return o, lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
+    `[B, S, N, d]`, k / v `[B, S, N_kv, d]` (`d_v <= d_k`: this build takes one head size, so v
+    is padded) -> (o `[B, S, N, d_v]`, lse `[B, S, N]` float32); the lse carries no gradient.
+    The caller checks `fa3_takes`."""
+    o, lse = _fa3_attention(q, k, pad_v(v, q.shape[-1]), float(scale), (-1, -1))
+    return o[..., :v.shape[-1]], lax.stop_gradient(jnp.swapaxes(lse, 1, 2))
 
 
 def fa3_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int,
@@ -144,15 +215,13 @@ def fused_takes(q: jax.Array, k: jax.Array, v: jax.Array, *, fa3: bool,
 
 
 def window_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int, scale: float,
-                     fa3: bool = True) -> jax.Array:
+                     fa3: bool = True, mla: bool | None = None) -> jax.Array:
     """The sliding window on fused attention: FlashAttention-3 where `fa3` is asked for and
-    `fa3_takes` the arrays, else cuDNN's `local_window_size`. Shapes as `fa3_window_attention`;
-    the caller checks `takes`."""
+    `fa3_takes` the arrays, else cuDNN's `local_window_size` (v unpadded where `mla`, None:
+    `cudnn_mla()`). Shapes as `fa3_window_attention`; the caller checks `takes`."""
     if fa3 and fa3_takes(q, k, v):
         return fa3_window_attention(q, k, v, window=window, scale=scale)
-    return jax.nn.dot_product_attention(
-        q, k, pad_v(v, q.shape[-1]), scale=scale, is_causal=True,
-        local_window_size=(window - 1, 0), implementation="cudnn")[..., :v.shape[-1]]
+    return _cudnn_attention(q, k, v, scale, window=window, residual=False, mla=mla)
 
 
 def fused_causal(fa3: bool, q: jax.Array, k: jax.Array, v: jax.Array):
@@ -166,10 +235,12 @@ def pad_v(v: jax.Array, d_k: int) -> jax.Array:
     return jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, d_k - d_v)]) if d_v < d_k else v
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float):
-    """cuDNN's causal attention, q `[B, S, N, d]`, k / v `[B, S, N_kv, d]` -> (o, lse `[B, S, N]`)."""
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                        implementation="cudnn", return_residual=True)
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *,
+                     mla: bool | None = None):
+    """cuDNN's causal attention, q `[B, S, N, d_k]`, k `[B, S, N_kv, d_k]`, v
+    `[B, S, N_kv, d_v <= d_k]` -> (o `[B, S, N, d_v]`, lse `[B, S, N]`); v unpadded where `mla`
+    (None: `cudnn_mla()`)."""
+    return _cudnn_attention(q, k, v, scale, window=None, residual=True, mla=mla)
 
 
 def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: NSAConfig, *,
@@ -180,7 +251,8 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
     The caller checks `takes(q, k_cmp, v_cmp)`. `lse` carries no gradient (it feeds the
     selection, whose block indices have none); the Pallas kernel's does, for callers that need it.
     Raises NotImplementedError where the reshape does not apply (fewer than `C(T)` blocks).
-    `attend` is the causal attention run on the folded arrays (tests pass a float64 one).
+    `attend` is the causal attention run on the folded arrays (tests pass a float64 one); it
+    takes v at its own d_v and returns o at d_v.
     """
     B, T, H, d_k = q.shape
     G, d_v = k_cmp.shape[2], v_cmp.shape[-1]
@@ -198,7 +270,7 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
     q_sq = q_rows.reshape(B, n_sq, d, G, h, d_k).transpose(0, 1, 3, 2, 4, 5)
     blocks = [(0, 0), (0, n_sq - n), (0, 0), (0, 0)]
     o, lse = attend(q_sq.reshape(B, n_sq, G * d * h, d_k), jnp.pad(k_cmp[:, :n], blocks),
-                    jnp.pad(pad_v(v_cmp[:, :n], d_k), blocks), scale)
+                    jnp.pad(v_cmp[:, :n], blocks), scale)
 
     def unfold(x):  # [B, n_sq, G * d * h, *rest] -> [B, rows, H, *rest]
         rest = x.shape[3:]
@@ -206,7 +278,7 @@ def compressed_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, cfg: 
         x = x.transpose(0, 1, 3, 2, 4, *range(5, 5 + len(rest)))
         return x.reshape(B, n_sq * d, H, *rest)[:, :rows]
 
-    o = unfold(o[..., :d_v])
+    o = unfold(o)
     lse = lax.stop_gradient(unfold(lse.astype(jnp.promote_types(lse.dtype, jnp.float32))))
     o = jnp.pad(o, [(0, 0), (l - 1, 0), (0, 0), (0, 0)])
     lse = jnp.pad(lse, [(0, 0), (l - 1, 0), (0, 0)], constant_values=-jnp.inf)
