@@ -35,6 +35,10 @@ are recorded as "oom" without running. Speed-ups are against the first full-atte
 ran at that S and pass: fa3_full, cudnn_full, torch_sdpa_flash, torch_sdpa_cudnn, xla_full
 (`--baseline` picks one).
 
+A row that needs a call of its own (fla_parallel_nsa's Triton autotuning) runs with its own
+--out; `--combine DIR_A,DIR_B --out DIR` then merges runs of one commit on one machine into one
+CSV, plot and summary (the first directory's figure wins where two runs measured the same).
+
 Example (GPU): python bench/bench_prefill.py --S_list 8k,16k,32k,64k --out artifacts/bench
 CPU smoke:     python bench/bench_prefill.py --device cpu --S_list 64,128 --H 4 --G 2 --dk 16 \
                    --dv 16 --l 8 --d 4 --l_sel 16 --n_sel 4 --w 16 --d_model 32 --dtype float32
@@ -42,6 +46,7 @@ CPU smoke:     python bench/bench_prefill.py --device cpu --S_list 64,128 --H 4 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -697,6 +702,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each row in its own process (default) or all in this one")
     p.add_argument("--row_timeout", type=float, default=900.0, help="seconds per isolated row")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--combine", default=None,
+                   help="comma list of earlier --out directories: merge their results into --out "
+                        "instead of running (the first directory wins where two measured the same)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
     return p
@@ -720,6 +728,14 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     argv, args = common.start(parse_args, argv)
+
+    if args.combine:
+        csv_path, table, title = combine_runs(
+            [d.strip() for d in args.combine.split(",") if d.strip()], args.out, args.baseline)
+        print(f"wrote {csv_path} and the plot, summary beside it")
+        print(title)
+        print(table)
+        return 0
 
     if args.worker:  # one isolated row: write its records and leave
         records = run_row(args, args.worker,
@@ -755,23 +771,78 @@ def main(argv=None) -> int:
     return 0
 
 
+def _title(B, H, G, dk, dv, dtype, device_label, commit: str) -> str:
+    return (f"NSA prefill: B={B} H={H} G={G} dk={dk} dv={dv} {dtype} on {device_label} "
+            f"(commit {commit[:10]})")
+
+
 def write_outputs(args, records: list[dict], env: dict) -> tuple[str, str, str]:
     """Write the CSV, the latest-figures CSV, the plot and the summary of `records` (called after
     every row, so a run cut short keeps what it measured); returns the CSV path, table, title."""
-    records = [dict(r) for r in records]
-    add_speedups(records, args.baseline)
-    csv_path = os.path.join(args.out, "prefill.csv")
-    common.write_csv(csv_path, records, COLUMNS)
-    common.write_csv(os.path.join(args.out, "prefill_latest.csv"),
-                     latest_rows(records, env["commit"]), LATEST_COLUMNS)
     cfg = args.cfg
-    title = (f"NSA prefill: B={args.B} H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
-             f"dv={cfg.d_v} {args.dtype} on {args.device_label} (commit {env['commit'][:10]})")
-    plot(records, os.path.join(args.out, "prefill.png"), title)
+    title = _title(args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, args.dtype,
+                   args.device_label, env["commit"])
+    return _write_records(args.out, records, env["commit"], title, args.baseline)
+
+
+def _write_records(out: str, records: list[dict], commit: str, title: str,
+                   baseline: Optional[str]) -> tuple[str, str, str]:
+    records = [dict(r) for r in records]
+    add_speedups(records, baseline)
+    csv_path = os.path.join(out, "prefill.csv")
+    common.write_csv(csv_path, records, COLUMNS)
+    common.write_csv(os.path.join(out, "prefill_latest.csv"), latest_rows(records, commit),
+                     LATEST_COLUMNS)
+    plot(records, os.path.join(out, "prefill.png"), title)
     table = summary_table(records)
-    with open(os.path.join(args.out, "prefill_summary.txt"), "w") as f:
+    with open(os.path.join(out, "prefill_summary.txt"), "w") as f:
         f.write(title + "\n\n" + table + "\n")
     return csv_path, table, title
+
+
+# The fields that every row of one combined table must share (the NSA fields may differ: the
+# "*_fla" rows run fla-org's configuration).
+SHARED_FIELDS = ("B", "H", "G", "dk", "dv", "dtype", "device")
+
+
+def combine_runs(dirs: list[str], out: str, baseline: Optional[str] = None
+                 ) -> tuple[str, str, str]:
+    """One set of outputs (CSV, latest CSV, plot, summary) in `out` from several runs of this
+    script, given their --out directories: for rows that need a call of their own on the same
+    machine (fla_parallel_nsa's autotuning, issue 12). Where runs measured the same (row, S,
+    pass), the first directory's record is kept. The runs must share the commit and the
+    SHARED_FIELDS; anything else is a ValueError naming --combine."""
+    if len(dirs) < 2:
+        raise ValueError(f"--combine needs two or more run directories, got {dirs}")
+    commits, records, seen, shared = set(), [], set(), {f: set() for f in SHARED_FIELDS}
+    for d in dirs:
+        env_path, csv_path = (os.path.join(d, "prefill_env.json"), os.path.join(d, "prefill.csv"))
+        for path in (env_path, csv_path):
+            if not os.path.isfile(path):
+                raise ValueError(f"--combine: {path} does not exist (not a bench_prefill --out?)")
+        with open(env_path) as f:
+            commits.add(json.load(f).get("commit"))
+        for r in common.read_csv(csv_path):
+            for field in SHARED_FIELDS:
+                shared[field].add(r.get(field))
+            key = (r["row"], r["S"], r["pass"])
+            if key in seen:
+                continue
+            seen.add(key)
+            for field in ("ms", "ms_min", "ms_max", "peak_mb", "device_peak_mb"):
+                r[field] = common.to_float(r.get(field))
+            r["speedup"], r["baseline"] = None, None
+            records.append(r)
+    if len(commits) != 1:
+        raise ValueError(f"--combine: the runs are of different commits {sorted(map(str, commits))}")
+    for field, values in shared.items():
+        if len(values) > 1:
+            raise ValueError(f"--combine: the runs differ in {field}: {sorted(map(str, values))}")
+    first = records[0] if records else {f: "?" for f in SHARED_FIELDS}
+    commit = commits.pop() or "unknown"
+    title = _title(*(first[f] for f in SHARED_FIELDS), commit)
+    os.makedirs(out, exist_ok=True)
+    return _write_records(out, records, commit, title, baseline)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,51 @@ def test_prefill_isolated_row_and_oom_propagation(tmp_path, cpu_env):
     assert records[-1]["note"] == "not run: oom at S=32"
 
 
+def _fake_prefill_run(path, commit, rows_ms, H="64"):
+    """A directory as `bench_prefill.py --out` leaves it: prefill.csv and prefill_env.json."""
+    records = [dict(bench="prefill", row=row, impl="x", S=S, B="1", H=H, G="4", dk="128",
+                    dv="128", dtype="bfloat16", status="ok", ms=ms, ms_min=ms, ms_max=ms,
+                    peak_mb=10.0, device="GPU X", **{"pass": p})
+               for (row, S, p), ms in rows_ms.items()]
+    common.write_csv(os.path.join(path, "prefill.csv"), records, bench_prefill.COLUMNS)
+    with open(os.path.join(path, "prefill_env.json"), "w") as f:
+        json.dump({"commit": commit}, f)
+    return str(path)
+
+
+def test_prefill_combine_runs(tmp_path, cpu_env, capsys):
+    """--combine merges runs of one machine (fla's row had its own call in issue 12): the first
+    run's figure wins where both measured a row, speed-ups are against the merged baseline."""
+    a = _fake_prefill_run(tmp_path / "a", "abc1234", {
+        ("nsa_jax_pallas", 64, "fwd"): 2.0, ("nsa_jax_pallas", 64, "fwd_bwd"): 6.0,
+        ("fa3_full", 64, "fwd"): 4.0, ("fa3_full", 64, "fwd_bwd"): 12.0})
+    b = _fake_prefill_run(tmp_path / "b", "abc1234", {
+        ("fla_parallel_nsa", 64, "fwd"): 8.0, ("fla_parallel_nsa", 64, "fwd_bwd"): 24.0,
+        ("fa3_full", 64, "fwd"): 5.0, ("fa3_full", 64, "fwd_bwd"): 15.0})
+    out = tmp_path / "both"
+    assert bench_prefill.main(["--combine", f"{a},{b}", "--out", str(out), "--device", "cpu"]) == 0
+    columns, latest = _read(out / "prefill_latest.csv")
+    assert columns == bench_prefill.LATEST_COLUMNS
+    by = {r["row"]: r for r in latest}
+    assert list(by) == ["nsa_jax_pallas", "fla_parallel_nsa", "fa3_full"]
+    assert float(by["fa3_full"]["fwd_ms"]) == 4.0 and float(by["fa3_full"]["fwd_bwd_ms"]) == 12.0
+    assert {r["commit"] for r in latest} == {"abc1234"}
+    _, records = _read(out / "prefill.csv")
+    speedup = {(r["row"], r["pass"]): float(r["speedup"]) for r in records if r["speedup"]}
+    assert speedup[("fla_parallel_nsa", "fwd")] == pytest.approx(0.5)
+    assert speedup[("nsa_jax_pallas", "fwd_bwd")] == pytest.approx(2.0)
+    assert _is_png(out / "prefill.png")
+    assert "on GPU X (commit abc1234)" in capsys.readouterr().out
+
+    other_commit = _fake_prefill_run(tmp_path / "c", "def5678", {("fa3_full", 64, "fwd"): 1.0})
+    other_heads = _fake_prefill_run(tmp_path / "d", "abc1234", {("fa3_full", 64, "fwd"): 1.0},
+                                    H="32")
+    for dirs, match in ([[a, other_commit], "different commits"], [[a, other_heads], "differ in H"],
+                        [[a, str(tmp_path / "nowhere")], "does not exist"], [[a], "two or more"]):
+        with pytest.raises(ValueError, match=match):
+            bench_prefill.combine_runs(dirs, str(tmp_path / "x"))
+
+
 def test_prefill_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rows"):
         bench_prefill.parse_args(["--rows", "nsa_jax_xla,warp_drive", "--device", "cpu"])
