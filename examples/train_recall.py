@@ -516,6 +516,24 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
     return out
 
 
+def in_chunks(fn, arrays, chunk: int, **kwargs) -> dict:
+    """`fn(*arrays, **kwargs)`, a dict of means over the batch rows, run `chunk` rows at a time
+    and averaged by rows, so that the whole eval batch need not fit at once: full attention at
+    T 2048 holds about 0.25 GB of scores a row (an H100's 80 GB ran out at 256 rows, R69).
+    Every statistic of `evaluate` and `ablation_accuracy` is a mean over rows, so the result is
+    the one-call result up to float rounding."""
+    if chunk <= 0:
+        raise ValueError(f"--eval_chunk ({chunk}) must be positive")
+    rows = arrays[0].shape[0]
+    totals: dict = {}
+    for lo in range(0, rows, chunk):
+        part = [a[lo:lo + chunk] for a in arrays]
+        weight = part[0].shape[0] / rows
+        for k, v in fn(*part, **kwargs).items():
+            totals[k] = totals.get(k, 0.0) + weight * float(v)
+    return totals
+
+
 EXCLUDE_BACKEND = "recall_exclude_key_blocks"
 
 
@@ -698,8 +716,8 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
             jax.block_until_ready(params)
             if step > 0 and not new_length:
                 train_s += time.perf_counter() - t_mark
-            stats = {k: float(v) for k, v in
-                     evaluate(params, *eval_arrays, mc=mc, task=task).items()}
+            stats = in_chunks(functools.partial(evaluate, params, mc=mc, task=task),
+                              eval_arrays, args.eval_chunk)
             train_loss = float(jnp.mean(jnp.stack(losses)))
             grads = {k: float(np.mean([n[k] for n in norms])) for k in norms[0]}
             losses, norms = [], []
@@ -731,7 +749,8 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
         summary["hit_layer"] = hit_layer
         summary["hit_chance"] = selection_chance(task, args.T, mc.nsa)
         if args.ablate:
-            ablation = ablation_accuracy(params, *eval_arrays, mc=mc, task=task)
+            ablation = in_chunks(functools.partial(ablation_accuracy, params, mc=mc, task=task),
+                                 eval_arrays, args.eval_chunk)
             summary.update(ablation)
             log(f"  {task.name:6s} {run.label:18s} key blocks out of the selection: " + "  ".join(
                 f"{k} {v:.3f}" for k, v in ablation.items()))
@@ -845,6 +864,9 @@ def parse_args(argv=None):
                         help=f"NSA variants, comma list of {sorted(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_batch", type=int, default=64)
+    parser.add_argument("--eval_chunk", type=int, default=32,
+                        help="eval rows run at once (memory: full attention at T 2048 takes "
+                             "about 0.25 GB a row); the figures do not depend on it")
     parser.add_argument("--gen_batch", type=int, default=8)
     parser.add_argument("--init", choices=("paired", "own"), default="paired",
                         help="paired: every NSA run starts from the full model's initial "
@@ -868,6 +890,8 @@ def parse_args(argv=None):
     for name, value in preset.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.eval_chunk <= 0:
+        parser.error(f"--eval_chunk ({args.eval_chunk}) must be positive")
     if args.shift not in SHIFTS:
         parser.error(f"--shift ({args.shift!r}) must be one of {SHIFTS}")
     if not curriculum_given:

@@ -3,6 +3,7 @@ baseline is NSA's window, and a tiny run trains (loss falls where it trivially c
 outputs and generates through the decode cache exactly what teacher forcing predicts. And
 examples/compare_recall.py: it plots several runs and names a bad argument."""
 import csv
+import functools
 import json
 import math
 import os
@@ -78,6 +79,31 @@ def test_gate_bias_variant_sets_the_sel_gate():
     bg = np.asarray(params["blocks"][0]["attn"]["bg"]).reshape(cfg.n_heads, 3)
     np.testing.assert_array_equal(bg, np.tile([0.0, 2.0, 0.0], (cfg.n_heads, 1)))
     assert train_recall.VARIANTS["sel_only"].gate_bias == (-4.0, 4.0, -4.0)
+
+
+@pytest.mark.parametrize("task", [train_recall.Task("needle", 1, 1),
+                                  train_recall.Task("mqar", n_pairs=3, n_queries=3)])
+def test_eval_in_chunks_equals_one_call(task):
+    """The eval batch in chunks (--eval_chunk; an H100 ran out of memory on 256 rows at once)
+    gives the one-call statistics, an uneven last chunk included; the ablation too."""
+    cfg = NSAConfig.tiny(window=32)
+    mc = train_recall.ModelConfig("nsa", cfg, vocab_size=train_recall.Vocab().size, n_layers=2)
+    params = train_recall.init_model(jax.random.PRNGKey(1), mc, train_recall.VARIANTS["default"])
+    batch = train_recall.make_batch(np.random.default_rng(0), task, train_recall.Vocab(), 7, 160,
+                                    cfg)
+    arrays = [jnp.asarray(batch[k]) for k in ("tokens", "answers", "key_pos")]
+    whole = {k: float(v) for k, v in
+             train_recall.evaluate(params, *arrays, mc=mc, task=task).items()}
+    for fn, reference in ((train_recall.evaluate, whole),
+                          (train_recall.ablation_accuracy,
+                           train_recall.ablation_accuracy(params, *arrays, mc=mc, task=task))):
+        chunked = train_recall.in_chunks(functools.partial(fn, params, mc=mc, task=task),
+                                         arrays, 3)
+        assert chunked.keys() == reference.keys()
+        for k in reference:
+            assert chunked[k] == pytest.approx(reference[k], rel=RTOL, abs=RTOL), k
+    with pytest.raises(ValueError, match="eval_chunk"):
+        train_recall.in_chunks(train_recall.evaluate, arrays, 0)
 
 
 def test_smoke_run_learns_and_decodes(tmp_path):
