@@ -41,6 +41,21 @@ def inputs(key, B, T, H, G, d_k, d_v, cfg, dtype):
             jax.random.normal(kv, (B, C, G, d_v), dtype))
 
 
+def outputs_and_grads(fn, do, *args):
+    """`fn(*args)`'s outputs (o, or o and lse) and the gradients of `args` for the cotangent
+    `do` on o (zero on the lse)."""
+    out, pullback = jax.vjp(fn, *args)
+    cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
+    return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+
+
+def assert_close_bf16(got, want, names):
+    """Each named output within 2e-2 relative L2 of the other engine's (bf16 against bf16)."""
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape, name
+        assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+
+
 @pytest.mark.parametrize("T,l,d,d_v", [(64, 8, 4, 8), (61, 8, 4, 8), (50, 16, 8, 4), (33, 4, 4, 8),
                                        (32, 32, 16, 8)])
 def test_fold_matches_brute_force(x64, T, l, d, d_v):
@@ -217,32 +232,22 @@ def test_gpu_cudnn_mla_form_matches_padded_v():
     q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(11), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
     do = jax.random.normal(jax.random.PRNGKey(12), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
-
-    def run(fn, *args):
-        out, pullback = jax.vjp(fn, *args)
-        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
-        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
-
-    def close(got, want, names):
-        for name, g, w in zip(names, got, want):
-            assert g.shape == w.shape, name
-            assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
-
     l = cfg.cmp_block
-    form = {mla: run(lambda q, k, v: cudnn.compressed_attention(
+    form = {mla: outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
         q, k, v, cfg, scale=scale,
-        attend=lambda *a: cudnn.causal_attention(*a, mla=mla)), q, k_cmp, v_cmp)
+        attend=lambda *a: cudnn.causal_attention(*a, mla=mla)), do, q, k_cmp, v_cmp)
         for mla in (True, False)}
-    close((form[True][0], form[True][1][:, l - 1:], *form[True][2:]),
-          (form[False][0], form[False][1][:, l - 1:], *form[False][2:]),
-          ("o", "lse", "dq", "dk", "dv"))
+    assert_close_bf16((form[True][0], form[True][1][:, l - 1:], *form[True][2:]),
+                      (form[False][0], form[False][1][:, l - 1:], *form[False][2:]),
+                      ("o", "lse", "dq", "dk", "dv"))
     k = k_cmp[:, :1].repeat(T, 1) + jax.random.normal(jax.random.PRNGKey(13), (B, T, G, d_k),
                                                         jnp.bfloat16)
     v = jax.random.normal(jax.random.PRNGKey(14), (B, T, G, d_v), jnp.bfloat16)
-    window = {mla: run(lambda q, k, v: cudnn.window_attention(q, k, v, window=512, scale=scale,
-                                                               fa3=False, mla=mla), q, k, v)
+    window = {mla: outputs_and_grads(
+        lambda q, k, v: cudnn.window_attention(q, k, v, window=512, scale=scale, fa3=False,
+                                               mla=mla), do, q, k, v)
               for mla in (True, False)}
-    close(window[True], window[False], ("o", "dq", "dk", "dv"))
+    assert_close_bf16(window[True], window[False], ("o", "dq", "dk", "dv"))
 
 
 @pytest.fixture
@@ -330,34 +335,24 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
     q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(7), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
     do = jax.random.normal(jax.random.PRNGKey(8), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
-
-    def run(fn, *args):
-        out, pullback = jax.vjp(fn, *args)
-        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
-        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
-
-    def close(got, want, names):
-        for name, g, w in zip(names, got, want):
-            assert g.shape == w.shape, name
-            assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
-
     l = cfg.cmp_block
-    got = run(lambda q, k, v: cudnn.compressed_attention(
-        q, k, v, cfg, scale=scale, attend=cudnn.fa3_causal_attention), q, k_cmp, v_cmp)
-    want = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale),
-               q, k_cmp, v_cmp)
+    got = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale, attend=cudnn.fa3_causal_attention), do, q, k_cmp, v_cmp)
+    want = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale), do, q, k_cmp, v_cmp)
     assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
-    close((got[0], got[1][:, l - 1:], *got[2:]), (want[0], want[1][:, l - 1:], *want[2:]),
-          ("o", "lse", "dq", "dk", "dv"))
+    assert_close_bf16((got[0], got[1][:, l - 1:], *got[2:]),
+                      (want[0], want[1][:, l - 1:], *want[2:]), ("o", "lse", "dq", "dk", "dv"))
     k, v = k_cmp[:, :1].repeat(T, 1), v_cmp[:, :1].repeat(T, 1)
     k = k + jax.random.normal(jax.random.PRNGKey(9), k.shape, k.dtype)
     v = v + jax.random.normal(jax.random.PRNGKey(10), v.shape, v.dtype)
     for w in (512, 100):
-        got = run(lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=scale),
-                  q, k, v)
-        want = run(lambda q, k, v: sliding_window_attention(
-            q, k, v, window=w, scale=scale, options=XlaOptions(fa3=False)), q, k, v)
-        close(got, want, ("o", "dq", "dk", "dv"))
+        got = outputs_and_grads(
+            lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=scale), do,
+            q, k, v)
+        want = outputs_and_grads(lambda q, k, v: sliding_window_attention(
+            q, k, v, window=w, scale=scale, options=XlaOptions(fa3=False)), do, q, k, v)
+        assert_close_bf16(got, want, ("o", "dq", "dk", "dv"))
 
 
 def test_fused_takes_without_cudnn_kernel_needs_fa3(monkeypatch):
