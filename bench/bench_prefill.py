@@ -834,7 +834,8 @@ def combine_runs(dirs: list[str], out: str, baseline: Optional[str] = None
             r["speedup"], r["baseline"] = None, None
             records.append(r)
     if len(commits) != 1:
-        raise ValueError(f"--combine: the runs are of different commits {sorted(map(str, commits))}")
+        raise ValueError("--combine: the runs are of different commits "
+                         f"{sorted(map(str, commits))}")
     for field, values in shared.items():
         if len(values) > 1:
             raise ValueError(f"--combine: the runs differ in {field}: {sorted(map(str, values))}")

@@ -9,15 +9,15 @@ of its KV group, forces the initial and local blocks, and folds the tile into a 
 Program: one per (batch, query tile, KV group). By default ("heads" layout) it holds
 `block_queries` queries and loops over the group's `h` heads inside each step, accumulating
 their probabilities in float32 registers; the "rows" layout holds `q_tile * h` (query, head)
-rows like `compressed_attention` and sums heads by a reshape. Step `k` covers selection blocks `[k*S, (k+1)*S)` (`S = block_sel`) and the
-compressed blocks `[k*S*r, (k+1)*S*r)` (`r = l_sel / d`, the compressed blocks that start inside
-them). A compressed block that starts in the previous step's range can still overlap this step's
-first selection block (when `l > d`), so each step also weights its head-summed probabilities
-for the next step's blocks and carries that `[queries, block_sel]` tile (not the `[queries,
-blocks]` probabilities: 16 registers a thread instead of 64 at the defaults): each `q k^T` is
-computed once. The weights are
-`overlap(cmp block i, sel block j) / d` (`nsa_common.overlap_weights`), built in the kernel from
-iotas; with l = 2d, l_sel = 4d they weight blocks `4j-1 .. 4j+3` by `[1, 2, 2, 2, 1]`.
+rows like `compressed_attention` and sums heads by a reshape. Step `k` covers selection blocks
+`[k*S, (k+1)*S)` (`S = block_sel`) and the compressed blocks `[k*S*r, (k+1)*S*r)`
+(`r = l_sel / d`, the compressed blocks that start inside them). A compressed block that
+starts in the previous step's range can still overlap this step's first selection block (when
+`l > d`), so each step also weights its head-summed probabilities for the next step's blocks and
+carries that `[queries, block_sel]` tile (not the `[queries, blocks]` probabilities: 16
+registers a thread instead of 64 at the defaults): each `q k^T` is computed once. The weights
+are `overlap(cmp block i, sel block j) / d` (`nsa_common.overlap_weights`), built in the kernel
+from iotas; with l = 2d, l_sel = 4d they weight blocks `4j-1 .. 4j+3` by `[1, 2, 2, 2, 1]`.
 
 Top-n: the running best `n_sel` (score, index) pairs are an unsorted set in registers. A step
 inserts its candidates best first, each replacing the set's worst member while it beats it
@@ -160,8 +160,8 @@ class _Scorer:
     `[k*span, (k+1)*span)` that start inside them; a compressed block that starts in the previous
     step's range can still overlap this step's first selection block (when `l > d`), so a step
     also weights its head-summed probabilities with the next step's overlap weights and carries
-    that `[q_tile, block_sel]` share (each `q k^T` is computed once). Steps whose compressed blocks every row of the tile sees whole need no
-    mask (`n_bulk`)."""
+    that `[q_tile, block_sel]` share (each `q k^T` is computed once). Steps whose compressed
+    blocks every row of the tile sees whole need no mask (`n_bulk`)."""
 
     def __init__(self, q_ref, k_ref, lse_ref, first_query, *, tiling: tiles.Tiling, cmp_block: int,
                  cmp_stride: int, sel_block: int, n_init: int, n_local: int, scale: float,
