@@ -49,6 +49,12 @@ def outputs_and_grads(fn, do, *args):
     return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
 
 
+def after_first_block(result, l):
+    """(o, lse, grads...) with the lse's first `l - 1` rows dropped: no compressed block ends
+    there, so the lse is -inf (the tests check that apart)."""
+    return (result[0], result[1][:, l - 1:], *result[2:])
+
+
 def assert_close_bf16(got, want, names):
     """Each named output within 2e-2 relative L2 of the other engine's (bf16 against bf16)."""
     for name, g, w in zip(names, got, want):
@@ -130,20 +136,15 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     do = jax.random.normal(jax.random.PRNGKey(6), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
 
-    def run(fn):
-        (o, lse), pullback = jax.vjp(lambda q, k, v: fn(q, k, v), q, k_cmp, v_cmp)
-        return (o, lse, *pullback((do, jnp.zeros_like(lse))))
-
-    got = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale))
-    want = run(lambda q, k, v: pallas_compressed_attention(
-        q, k, v, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale))
+    got = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
+        q, k, v, cfg, scale=scale), do, q, k_cmp, v_cmp)
+    want = outputs_and_grads(lambda q, k, v: pallas_compressed_attention(
+        q, k, v, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, scale=scale),
+        do, q, k_cmp, v_cmp)
     l = cfg.cmp_block
     assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
-    got = (got[0], got[1][:, l - 1:], *got[2:])
-    want = (want[0], want[1][:, l - 1:], *want[2:])
-    for name, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
-        assert g.shape == w.shape, name
-        assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
+    assert_close_bf16(after_first_block(got, l), after_first_block(want, l),
+                      ("o", "lse", "dq", "dk", "dv"))
 
 
 def _attention_f64(q, k, v, scale, window):
@@ -237,8 +238,7 @@ def test_gpu_cudnn_mla_form_matches_padded_v():
         q, k, v, cfg, scale=scale,
         attend=lambda *a: cudnn.causal_attention(*a, mla=mla)), do, q, k_cmp, v_cmp)
         for mla in (True, False)}
-    assert_close_bf16((form[True][0], form[True][1][:, l - 1:], *form[True][2:]),
-                      (form[False][0], form[False][1][:, l - 1:], *form[False][2:]),
+    assert_close_bf16(after_first_block(form[True], l), after_first_block(form[False], l),
                       ("o", "lse", "dq", "dk", "dv"))
     k = k_cmp[:, :1].repeat(T, 1) + jax.random.normal(jax.random.PRNGKey(13), (B, T, G, d_k),
                                                         jnp.bfloat16)
@@ -294,13 +294,10 @@ def test_fa3_window_matches_banded_path(x64, fa3_f64, T, w, d_v):
     v = jax.random.normal(kv, (2, T, 2, d_v), jnp.float64)
     do = jax.random.normal(kd, (2, T, 4, d_v), jnp.float64)
 
-    def run(fn):
-        o, pullback = jax.vjp(fn, q, k, v)
-        return (o, *pullback(do))
-
-    got = run(lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=0.4))
-    want = run(lambda q, k, v: sliding_window_attention(
-        q, k, v, window=w, scale=0.4, options=XlaOptions(window_cudnn=False)))
+    got = outputs_and_grads(
+        lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=0.4), do, q, k, v)
+    want = outputs_and_grads(lambda q, k, v: sliding_window_attention(
+        q, k, v, window=w, scale=0.4, options=XlaOptions(window_cudnn=False)), do, q, k, v)
     for name, g, want_ in zip(("o", "dq", "dk", "dv"), got, want):
         assert g.shape == want_.shape, name
         assert rel_err(g, want_) <= 1e-12, name
@@ -341,8 +338,8 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
     want = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
         q, k, v, cfg, scale=scale), do, q, k_cmp, v_cmp)
     assert np.all(np.isneginf(np.asarray(got[1][:, :l - 1])))
-    assert_close_bf16((got[0], got[1][:, l - 1:], *got[2:]),
-                      (want[0], want[1][:, l - 1:], *want[2:]), ("o", "lse", "dq", "dk", "dv"))
+    assert_close_bf16(after_first_block(got, l), after_first_block(want, l),
+                      ("o", "lse", "dq", "dk", "dv"))
     k, v = k_cmp[:, :1].repeat(T, 1), v_cmp[:, :1].repeat(T, 1)
     k = k + jax.random.normal(jax.random.PRNGKey(9), k.shape, k.dtype)
     v = v + jax.random.normal(jax.random.PRNGKey(10), v.shape, v.dtype)
