@@ -236,6 +236,12 @@ VARIANTS = {
     # compressed branch (whose gate sel_only keeps near 0).
     "sel_mean_shared": Variant("sel_mean_shared", gate_bias=(-4.0, 4.0, -4.0), compress="mean",
                                shared_kv=True),
+    # mean_shared with every gate held at 0.5 (wg 0, bg 0 and not trained): the compressed
+    # branch cannot close, so its gradient keeps reaching the scores the selection ranks by
+    # (at T 2048, layer 1's compressed gate closed in 4 of 6 `sel_mean_shared` runs;
+    # RECALL_NOTES section 15).
+    "mean_shared_fixed": Variant("mean_shared_fixed", compress="mean", shared_kv=True,
+                                 fixed_gates=True),
     # Diagnostics: gates fixed at (0, 1, 0) (sigmoid(+-30)); with n_sel covering every block the
     # layer is then exactly the full-attention layer, so `sel_fixed_dense` (the full model's
     # initial weights) must train as `full` does, and `sel_fixed` (NSA's own draw) tells

@@ -150,6 +150,14 @@ def test_variants_change_the_nsa_config():
     assert set(params["blocks"][0]["attn"]["wk"]) == {"shared"}
     bg = np.asarray(params["blocks"][0]["attn"]["bg"]).reshape(cfg.n_heads, 3)
     np.testing.assert_array_equal(bg, np.tile([-4.0, 4.0, -4.0], (cfg.n_heads, 1)))
+    # mean_shared with its gates held at 0.5: wg 0, and neither wg nor bg is updated
+    variant = train_recall.VARIANTS["mean_shared_fixed"]
+    assert train_recall.variant_cfg(cfg, variant) == mean_shared
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc, variant)
+    attn = params["blocks"][0]["attn"]
+    assert float(jnp.max(jnp.abs(attn["wg"]))) == 0.0 and float(jnp.max(jnp.abs(attn["bg"]))) == 0.0
+    mults = train_recall.lr_multipliers(params, variant)["blocks"][0]["attn"]
+    assert float(mults["wg"]) == float(mults["bg"]) == 0.0 and float(mults["wk"]["shared"]) == 1.0
     cmp_sel = train_recall.VARIANTS["cmp_sel_shared"]
     assert train_recall.variant_cfg(cfg, cmp_sel).shared_kv
     mc = train_recall.ModelConfig("nsa", train_recall.variant_cfg(cfg, cmp_sel), vocab_size=20,
