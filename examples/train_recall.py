@@ -20,8 +20,9 @@ so the selected blocks start out near random; and the gates may drown the select
 
 Instrumentation (at each evaluation, on the query positions of a fixed eval set, per NSA layer):
 mean gate per branch, selection hit rate (the query's selected blocks contain the queried key's
-block), and the compressed attention's probability mass on the blocks covering the key. At the
-end, greedy generation through the decode cache (`prefill` + `decode_step`) is checked against
+block), and the compressed attention's probability mass on the blocks covering the key; for the
+full model, the probe of `pooled_ranking` (its attention mass on the key's block, and whether
+NSA's selection over mean-pooled copies of its own keys would pick that block). At the end, greedy generation through the decode cache (`prefill` + `decode_step`) is checked against
 the model's own teacher-forced predictions.
 
 Writes into `--out`: curves.csv (one row per evaluation), summary.csv, results.md (the table),
@@ -362,9 +363,9 @@ def _block_mlp(blk: dict, h: jax.Array) -> jax.Array:
 
 def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = False,
             layer_backends: Optional[list] = None):
-    """tokens int `[B, T]` -> final hidden states `[B, T, D]`, and with `collect` (NSA) a list
-    per layer of (layer input after the norm, the layer's aux dict). layer_backends: an NSA
-    dispatch backend per layer (None: `mc.backend` everywhere)."""
+    """tokens int `[B, T]` -> final hidden states `[B, T, D]`, and with `collect` a list per
+    layer of (layer input after the norm, the layer's aux dict; None for "full" / "window").
+    layer_backends: an NSA dispatch backend per layer (None: `mc.backend` everywhere)."""
     h = params["embed"][tokens]
     layers = []
     for i, blk in enumerate(params["blocks"]):
@@ -376,6 +377,7 @@ def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = Fa
             layers.append((a, aux))
         else:
             y = dense_attention(blk["attn"], a, mc)
+            layers.append((a, None))
         h = _block_mlp(blk, h + y)
     h = rms_norm(h, params["norm_f"])
     return (h, layers) if collect else h
@@ -498,11 +500,54 @@ def compressed_mass(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Ar
     return mass, uniform
 
 
+# The pooled-ranking probe of the full model (`pooled_ranking`): NSA's selection over mean-pooled
+# keys with the model's compression blocks (`pool`) and with blocks of 8, stride 4 (`pool8`).
+PROBE_POOLS = (("pool", None), ("pool8", (8, 4)))
+
+
+def pooled_ranking(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Array,
+                   cfg: NSAConfig) -> dict:
+    """The full model's layer seen through NSA's selection: would ranking blocks by its own
+    learned scores, mean-pooled as `compress="mean"` with shared K/V pools them, find the key?
+
+    a `[B, T, D]` (the layer's normed input), q_pos `[Q]` (static), key_pos `[B, Q]`.
+    -> `key_mass`: the attention mass the full model's heads put on the queried key's
+    selection block at the query rows (does this layer retrieve?); `{pool}_hit` per
+    `PROBE_POOLS`: how often `nsa_jax.select_blocks` over the layer's own q and mean-pooled
+    RoPE'd keys picks that block (what the selection of `sel_mean_shared` / `mean_shared`
+    would achieve had its selected branch learned exactly these scores).
+    """
+    B, T, _ = a.shape
+    H, G, dk = cfg.n_heads, cfg.n_kv_heads, cfg.d_k
+    positions = jnp.arange(T, dtype=jnp.int32)
+    q = (a @ attn["wq"]).reshape(B, T, H, dk)
+    k = (a @ attn["wk"]).reshape(B, T, G, dk)
+    if cfg.rope_theta is not None:
+        q = nsa_jax.apply_rope(q, positions, cfg.rope_theta)
+        k = nsa_jax.apply_rope(k, positions, cfg.rope_theta)
+    Q = len(q_pos)
+    scores = jnp.einsum("bqghd,btgd->bqght", q[:, q_pos].reshape(B, Q, G, H // G, dk),
+                        k) * cfg.scale
+    causal = jnp.asarray(np.arange(T)[None, :] <= q_pos[:, None])                   # [Q, T]
+    p = jax.nn.softmax(jnp.where(causal[None, :, None, None], scores, -jnp.inf), axis=-1)
+    key_block = (key_pos // cfg.sel_block)[:, :, None, None]                         # [B, Q, 1, 1]
+    in_block = (positions // cfg.sel_block)[None, None, None, None, :] == key_block[..., None]
+    out = {"key_mass": (p * in_block).sum(-1).mean()}
+    for name, pool in PROBE_POOLS:
+        pooled = cfg.replace(compress="mean", shared_kv=True, **(
+            {} if pool is None else {"cmp_block": pool[0], "cmp_stride": pool[1]}))
+        k_cmp = nsa_jax.compress_kv(k, None, pooled)
+        block_idx = nsa_jax.select_blocks(q, k_cmp, pooled)[:, q_pos]             # [B, Q, G, n]
+        out[f"{name}_hit"] = (block_idx == key_block).any(-1).mean()
+    return out
+
+
 @functools.partial(jax.jit, static_argnames=("mc", "task"))
 def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -> dict:
     """Loss and accuracy at the query keys, and per NSA layer i at those positions: `l{i}_gate_c`
     (mean gate of branch c), `l{i}_hit` (fraction of (query, KV group) whose selected blocks
-    contain the queried key's block), `l{i}_cmp_mass` and its uniform baseline."""
+    contain the queried key's block), `l{i}_cmp_mass` and its uniform baseline; per layer of
+    the full model `pooled_ranking`'s probe (`l{i}_key_mass`, `l{i}_pool_hit`, ...)."""
     T = tokens.shape[1]
     q_pos = np.arange(T - task.tail, T, 2)
     h, layers = forward(params, tokens, mc, collect=True)
@@ -511,6 +556,11 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
     out = {"loss": nll.mean(), "acc": (jnp.argmax(logits, -1) == answers).mean()}
     cfg = mc.nsa
     for i, (a, aux) in enumerate(layers):
+        if mc.attention == "full":
+            probe = pooled_ranking(params["blocks"][i]["attn"], a, q_pos, key_pos, cfg)
+            out.update({f"l{i}_{k}": v for k, v in probe.items()})
+        if aux is None:
+            continue
         gates = aux["gates"][:, q_pos]                                      # [B, Q, H, 3]
         for c, name in enumerate(BRANCHES):
             out[f"l{i}_gate_{name}"] = gates[..., c].mean()
@@ -751,6 +801,12 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
                    ms_per_step=1e3 * final["train_s"] / max(1, final["step"] - 1),
                    compile_s=round(compile_s, 2), hit=final.get(f"{top}_hit"),
                    gate_sel=final.get(f"{top}_gate_sel"), cmp_mass=final.get(f"{top}_cmp_mass"))
+    if mc.attention == "full":
+        # The layer that retrieves (most attention mass on the key's block) and its probe.
+        layer = max(range(mc.n_layers), key=lambda i: final[f"l{i}_key_mass"])
+        summary.update(probe_layer=layer, key_mass=final[f"l{layer}_key_mass"],
+                       **{f"{n}_hit": final[f"l{layer}_{n}_hit"] for n, _ in PROBE_POOLS},
+                       hit_chance=selection_chance(task, args.T, mc.nsa))
     if mc.attention == "nsa":
         summary["hit_layer"] = hit_layer
         summary["hit_chance"] = selection_chance(task, args.T, mc.nsa)
@@ -777,7 +833,8 @@ def acc_at_wall(rows: list, wall_s: float) -> Optional[float]:
 
 SUMMARY_COLUMNS = ("task", "model", "steps", "final_acc", "best_acc", "acc_at_full_wall",
                    "acc_at_full_steps", "final_loss", "ms_per_step", "compile_s", "train_s",
-                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass",
+                   "hit_layer", "hit", "hit_chance", "gate_sel", "cmp_mass", "probe_layer",
+                   "key_mass", *(f"{name}_hit" for name, _ in PROBE_POOLS),
                    *(f"acc_excl_{label}" for label, _, _ in ABLATIONS), "gen_match",
                    "gen_logit_err", "gen_acc")
 

@@ -106,6 +106,56 @@ def test_eval_in_chunks_equals_one_call(task):
         train_recall.in_chunks(train_recall.evaluate, arrays, 0)
 
 
+def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
+    """The full model's probe (`pooled_ranking`) at layer 0 picks what NSA's own selection picks
+    in a `mean_shared` layer holding the same wq / wk (`nsa_from_dense`; layer 0's input is the
+    same embedding), for both pools; key_mass is the full model's attention on the key's
+    selection block, against a float64 numpy softmax."""
+    cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=16,
+                    cmp_stride=8, sel_block=16, n_sel=5, window=16, rope_theta=10000.0)
+    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
+    task = train_recall.Task("mqar", n_pairs=3, n_queries=3)
+    full = train_recall.ModelConfig("full", cfg, vocab.size)
+    p_full = train_recall.init_model(jax.random.PRNGKey(2), full)
+    batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 6, 128, cfg)
+    tokens, key_pos = jnp.asarray(batch["tokens"]), jnp.asarray(batch["key_pos"])
+    q_pos = np.arange(128 - task.tail, 128, 2)
+    a = train_recall.forward(p_full, tokens, full, collect=True)[1][0][0]
+    attn = p_full["blocks"][0]["attn"]
+    probe = train_recall.pooled_ranking(attn, a, q_pos, key_pos, cfg)
+    key_block = np.asarray(key_pos) // cfg.sel_block
+    for name, pool in train_recall.PROBE_POOLS:
+        pooled = cfg.replace(**({} if pool is None else
+                                {"cmp_block": pool[0], "cmp_stride": pool[1]}))
+        variant = train_recall.VARIANTS["mean_shared"]
+        nsa = train_recall.ModelConfig("nsa", train_recall.variant_cfg(pooled, variant),
+                                       vocab.size)
+        p_nsa = train_recall.nsa_from_dense(p_full, train_recall.init_model(
+            jax.random.PRNGKey(5), nsa, variant))
+        a_nsa, aux = train_recall.forward(p_nsa, tokens, nsa, collect=True)[1][0]
+        np.testing.assert_array_equal(a_nsa, a)
+        idx = np.asarray(aux["block_idx"])[:, q_pos]                            # [B, Q, G, n]
+        hit = (idx == key_block[:, :, None, None]).any(-1).mean()
+        assert float(probe[f"{name}_hit"]) == pytest.approx(hit, abs=1e-6), name
+    # key_mass in float64: query head h reads KV head h // (H / G)
+    B, T, H, G, dk = 6, 128, cfg.n_heads, cfg.n_kv_heads, cfg.d_k
+    positions = jnp.arange(T, dtype=jnp.int32)
+    q = np.asarray(nsa_jax.apply_rope((a @ attn["wq"]).reshape(B, T, H, dk), positions,
+                                      cfg.rope_theta), np.float64)
+    k = np.asarray(nsa_jax.apply_rope((a @ attn["wk"]).reshape(B, T, G, dk), positions,
+                                      cfg.rope_theta), np.float64)
+    masses = []
+    for b in range(B):
+        for j, t in enumerate(q_pos):
+            for h in range(H):
+                s = k[b, :t + 1, h // (H // G)] @ q[b, t, h] / np.sqrt(dk)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                masses.append(p[np.arange(t + 1) // cfg.sel_block == key_block[b, j]].sum())
+    assert float(probe["key_mass"]) == pytest.approx(np.mean(masses), rel=1e-5)
+    assert 0.0 < float(probe["key_mass"]) < 1.0
+
+
 def test_smoke_run_learns_and_decodes(tmp_path):
     # n_values 4: the answer's distribution alone takes the loss from ~log(vocab) = 5.0 toward
     # log(4) = 1.4, which a few steps learn without any recall.
