@@ -22,8 +22,9 @@ Instrumentation (at each evaluation, on the query positions of a fixed eval set,
 mean gate per branch, selection hit rate (the query's selected blocks contain the queried key's
 block), and the compressed attention's probability mass on the blocks covering the key; for the
 full model, the probe of `pooled_ranking` (its attention mass on the key's block, and whether
-NSA's selection over mean-pooled copies of its own keys would pick that block). At the end, greedy generation through the decode cache (`prefill` + `decode_step`) is checked against
-the model's own teacher-forced predictions.
+NSA's selection over mean-pooled copies of its own keys would pick that block). At the end,
+greedy generation through the decode cache (`prefill` + `decode_step`) is checked against the
+model's own teacher-forced predictions.
 
 Writes into `--out`: curves.csv (one row per evaluation), summary.csv, results.md (the table),
 stats.json (configuration, environment, per-run results) and curves.png.
