@@ -106,6 +106,17 @@ def test_eval_in_chunks_equals_one_call(task):
         train_recall.in_chunks(train_recall.evaluate, arrays, 0)
 
 
+def _tiny_mqar(attention: str, cfg: NSAConfig, *, n_pairs: int, batch: int, seed: int):
+    """A T 128 MQAR batch over a 40-token vocabulary and a fresh model of `attention`:
+    -> (task, model config, params, batch: the `make_batch` dict as jax arrays)."""
+    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
+    task = train_recall.Task("mqar", n_pairs=n_pairs, n_queries=n_pairs)
+    mc = train_recall.ModelConfig(attention, cfg, vocab.size)
+    params = train_recall.init_model(jax.random.PRNGKey(seed), mc)
+    data = train_recall.make_batch(np.random.default_rng(0), task, vocab, batch, 128, cfg)
+    return task, mc, params, {k: jnp.asarray(v) for k, v in data.items()}
+
+
 def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
     """The full model's probe (`pooled_ranking`) at layer 0 picks what NSA's own selection picks
     in a `mean_shared` layer holding the same wq / wk (`nsa_from_dense`; layer 0's input is the
@@ -113,12 +124,8 @@ def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
     selection block, against a float64 numpy softmax."""
     cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=16,
                     cmp_stride=8, sel_block=16, n_sel=5, window=16, rope_theta=10000.0)
-    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
-    task = train_recall.Task("mqar", n_pairs=3, n_queries=3)
-    full = train_recall.ModelConfig("full", cfg, vocab.size)
-    p_full = train_recall.init_model(jax.random.PRNGKey(2), full)
-    batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 6, 128, cfg)
-    tokens, key_pos = jnp.asarray(batch["tokens"]), jnp.asarray(batch["key_pos"])
+    task, full, p_full, batch = _tiny_mqar("full", cfg, n_pairs=3, batch=6, seed=2)
+    tokens, key_pos = batch["tokens"], batch["key_pos"]
     q_pos = np.arange(128 - task.tail, 128, 2)
     a = train_recall.forward(p_full, tokens, full, collect=True)[1][0][0]
     attn = p_full["blocks"][0]["attn"]
@@ -129,7 +136,7 @@ def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
                                 {"cmp_block": pool[0], "cmp_stride": pool[1]}))
         variant = train_recall.VARIANTS["mean_shared"]
         nsa = train_recall.ModelConfig("nsa", train_recall.variant_cfg(pooled, variant),
-                                       vocab.size)
+                                       full.vocab_size)
         p_nsa = train_recall.nsa_from_dense(p_full, train_recall.init_model(
             jax.random.PRNGKey(5), nsa, variant))
         a_nsa, aux = train_recall.forward(p_nsa, tokens, nsa, collect=True)[1][0]
@@ -359,12 +366,8 @@ def test_ablation_takes_the_key_blocks_out_of_the_selection():
     accuracies."""
     cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=8,
                     cmp_stride=4, sel_block=16, n_sel=8, window=16)
-    vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)
-    task = train_recall.Task("mqar", n_pairs=4, n_queries=4)
-    mc = train_recall.ModelConfig("nsa", cfg, vocab.size)
-    params = train_recall.init_model(jax.random.PRNGKey(1), mc)
-    batch = train_recall.make_batch(np.random.default_rng(0), task, vocab, 3, 128, cfg)
-    tokens, key_pos = jnp.asarray(batch["tokens"]), np.asarray(batch["key_pos"])
+    task, mc, params, batch = _tiny_mqar("nsa", cfg, n_pairs=4, batch=3, seed=1)
+    tokens, key_pos = batch["tokens"], np.asarray(batch["key_pos"])
     x = jax.random.normal(jax.random.PRNGKey(2), (3, 128, cfg.d_model))
     attn = params["blocks"][0]["attn"]
     name = train_recall.exclude_key_blocks(key_pos, cfg, "xla")
@@ -376,7 +379,7 @@ def test_ablation_takes_the_key_blocks_out_of_the_selection():
     assert is_key.any()                    # 8 of 8 blocks selected: every key block is there
     np.testing.assert_array_equal(cut, np.where(is_key, -1, plain))
     assert float(jnp.max(jnp.abs(y_cut - y_plain))) > 1e-3
-    out = train_recall.ablation_accuracy(params, tokens, jnp.asarray(batch["answers"]),
+    out = train_recall.ablation_accuracy(params, tokens, batch["answers"],
                                          key_pos, mc=mc, task=task)
     assert set(out) == {f"acc_excl_{label}" for label, _, _ in train_recall.ABLATIONS}
     assert all(0.0 <= v <= 1.0 for v in out.values())
