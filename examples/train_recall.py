@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -336,16 +335,23 @@ def rms_norm(x, weight, eps=1e-6):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+def roped_heads(x: jax.Array, w: jax.Array, n_heads: int, positions: jax.Array,
+                cfg: NSAConfig) -> jax.Array:
+    """x `[B, L, D]` @ w -> `[B, L, n_heads, d_k]`, RoPE'd at `positions` `[L]` as in NSA (none
+    when `cfg.rope_theta` is None): the query / key heads of every model and probe here."""
+    heads = (x @ w).reshape(*x.shape[:2], n_heads, cfg.d_k)
+    if cfg.rope_theta is None:
+        return heads
+    return nsa_jax.apply_rope(heads, positions, cfg.rope_theta)
+
+
 def dense_attention(attn: dict, x: jax.Array, mc: ModelConfig) -> jax.Array:
     """The "full" / "window" baselines: x `[B, T, D]` -> `[B, T, D]`, RoPE as in NSA."""
     cfg = mc.nsa
     B, T, _ = x.shape
     positions = jnp.arange(T, dtype=jnp.int32)
-    q = (x @ attn["wq"]).reshape(B, T, cfg.n_heads, cfg.d_k)
-    k = (x @ attn["wk"]).reshape(B, T, cfg.n_kv_heads, cfg.d_k)
-    if cfg.rope_theta is not None:
-        q = nsa_jax.apply_rope(q, positions, cfg.rope_theta)
-        k = nsa_jax.apply_rope(k, positions, cfg.rope_theta)
+    q = roped_heads(x, attn["wq"], cfg.n_heads, positions, cfg)
+    k = roped_heads(x, attn["wk"], cfg.n_kv_heads, positions, cfg)
     v = (x @ attn["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.d_v)
     # (w - 1, 0): query t sees keys t-w+1 .. t, NSA's window branch exactly.
     window = (cfg.window - 1, 0) if mc.attention == "window" else None
@@ -483,11 +489,8 @@ def compressed_mass(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Ar
     B, T, _ = a.shape
     H, G, dk = cfg.n_heads, cfg.n_kv_heads, cfg.d_k
     kv = "shared" if cfg.shared_kv else "cmp"
-    k = (a @ attn["wk"][kv]).reshape(B, T, G, dk)
-    q = (a[:, q_pos] @ attn["wq"]).reshape(B, len(q_pos), H, dk)
-    if cfg.rope_theta is not None:
-        k = nsa_jax.apply_rope(k, jnp.arange(T, dtype=jnp.int32), cfg.rope_theta)
-        q = nsa_jax.apply_rope(q, jnp.asarray(q_pos, jnp.int32), cfg.rope_theta)
+    k = roped_heads(a, attn["wk"][kv], G, jnp.arange(T, dtype=jnp.int32), cfg)
+    q = roped_heads(a[:, q_pos], attn["wq"], H, jnp.asarray(q_pos, jnp.int32), cfg)
     k_cmp = nsa_jax.compress_kv(k, attn["cmp_k"] if cfg.compress == "mlp" else None, cfg)
     scores = jnp.einsum("bqghd,bcgd->bqghc", q.reshape(B, len(q_pos), G, H // G, dk),
                         k_cmp) * cfg.scale
@@ -521,11 +524,8 @@ def pooled_ranking(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Arr
     B, T, _ = a.shape
     H, G, dk = cfg.n_heads, cfg.n_kv_heads, cfg.d_k
     positions = jnp.arange(T, dtype=jnp.int32)
-    q = (a @ attn["wq"]).reshape(B, T, H, dk)
-    k = (a @ attn["wk"]).reshape(B, T, G, dk)
-    if cfg.rope_theta is not None:
-        q = nsa_jax.apply_rope(q, positions, cfg.rope_theta)
-        k = nsa_jax.apply_rope(k, positions, cfg.rope_theta)
+    q = roped_heads(a, attn["wq"], H, positions, cfg)
+    k = roped_heads(a, attn["wk"], G, positions, cfg)
     Q = len(q_pos)
     scores = jnp.einsum("bqghd,btgd->bqght", q[:, q_pos].reshape(B, Q, G, H // G, dk),
                         k) * cfg.scale
