@@ -1,8 +1,9 @@
 """The README's headline plot: the NSA attention core against full causal attention
 (FlashAttention-3, cuDNN) over the sequence length, forward and forward+backward, from the
 prefill CSV (`bench/bench_prefill.py`'s `prefill_latest.csv`). Prints the table it plots.
+Reads bench/results/prefill_latest.csv and writes docs/img/prefill_headline.png by default:
 
-    python bench/plot_headline.py        # bench/results/prefill_latest.csv -> docs/img/prefill_headline.png
+    python bench/plot_headline.py
 """
 from __future__ import annotations
 
