@@ -25,6 +25,7 @@ from nsa_common import NSAConfig
 from nsa_jax.xla import cudnn
 from nsa_jax.xla.select_blocks import band_scores, rank_scores
 import pallas_kernels as kernels
+from pallas_kernels import profiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,15 +34,20 @@ class PallasOptions:
 
     interpret: run the kernels in Pallas' interpreter; None (default) means "when JAX's default
     backend is not a GPU", so the same code runs, slowly but exactly, on a CPU.
-    *_blocks: each kernel's tile sizes (None: the kernel's defaults, tuned on an H200);
-    decode_blocks: those of `decode_step(..., backend="pallas")`.
+    *_blocks: each kernel's tile sizes (None: those of the GPU architecture the call is traced
+    on, `pallas_kernels.profiles`: NSA_PROFILE, else the device's compute capability; sm90's
+    are the ones tuned on an H100 / H200); decode_blocks: those of
+    `decode_step(..., backend="pallas")`. A kernel whose architecture has no tiles for the
+    head dims declines (NotImplementedError) and the branch runs on XLA.
     compressed_cudnn: run the compressed branch on cuDNN's fused attention where it takes the
     shapes (a GPU, bf16 / fp16, d_v <= d_k): the queries folded in chunks of `d` turn its mask
     into cuDNN's causal square (`nsa_jax.xla.cudnn`). On an H100 at 64k it is faster than the
     Pallas kernel, forward and backward (bench/RESULTS.md). Its lse carries no gradient (the
     layer's lse only feeds the selection); False runs the Pallas kernel, whose lse does.
     fa3: on that path, FlashAttention-3 instead of cuDNN where `flash_attn3_jax` is installed
-    on a Hopper or later GPU (`nsa_jax.xla.cudnn.fa3_takes`; faster on an H200, R45).
+    on a Hopper GPU (`nsa_jax.xla.cudnn.fa3_takes`; faster on an H200) and the architecture
+    profile is sm90 (`NSA_PROFILE=sm89` turns it off on any GPU, as it limits cuDNN's heads to
+    the 128 it takes on an RTX 4090).
     cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
     Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
     """
@@ -67,13 +73,15 @@ DEFAULT_OPTIONS = PallasOptions()
 def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
                          options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
+    arch = profiles.current()
+    fa3 = options.fa3 and arch.fa3
     if (options.compressed_cudnn and not options.resolve_interpret()
-            and cudnn.fused_takes(q, k_cmp, v_cmp, fa3=options.fa3,
-                                  cudnn_kernel=options.cudnn_kernel)):
+            and q.shape[-1] <= arch.cudnn_max_head_dim
+            and cudnn.fused_takes(q, k_cmp, v_cmp, fa3=fa3, cudnn_kernel=options.cudnn_kernel)):
         try:
             o, lse = cudnn.compressed_attention(
                 q, k_cmp, v_cmp, cfg, scale=scale,
-                attend=cudnn.fused_causal(options.fa3, q, k_cmp, v_cmp))
+                attend=cudnn.fused_causal(fa3, q, k_cmp, v_cmp))
             return (o, lse) if return_lse else o
         except (ValueError, NotImplementedError, RuntimeError):
             pass  # cuDNN refuses the shapes (or T < l): the kernel takes them
@@ -141,7 +149,8 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
     options = options or DEFAULT_OPTIONS
-    blocks = options.decode_blocks or kernels.DecodeBlockSizes()
+    blocks = options.decode_blocks or profiles.block_sizes(
+        "decode", buffers[0].dtype, *(buffer.shape[-1] for buffer in buffers))
     if not blocks.append_kernel:
         raise NotImplementedError("decode_blocks.append_kernel is off")
     if packed is not None and blocks.append_packed:

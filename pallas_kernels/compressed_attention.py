@@ -39,15 +39,16 @@ from pallas_kernels._compressed_tiles import (Tiling, admissible, blocks_visible
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two, >= 16).
+    """Tile sizes (powers of two, >= 16). A call with `block_sizes=None` takes those of its GPU
+    architecture, dtype and head dims (`pallas_kernels.profiles`).
 
     `block_q*` count the rows of a query tile: queries times the `h` heads of one KV group (`h`
     padded to a power of two), so a tile holds `max(1, block_q // h_pad)` queries. `block_kv*`
     count compressed keys. `_dq` / `_dkv` are the two backward kernels.
     """
 
-    # Defaults: the fastest of a small sweep on an H200 at T = 16k, H 64, G 4, d 128, bf16
-    # (bench/bench_compressed.py --sweep).
+    # Defaults (sm90's tiles): the fastest of a small sweep on an H200 at T = 16k, H 64, G 4,
+    # d 128, bf16 (bench/bench_compressed.py --sweep).
     block_q: int = 256
     block_kv: int = 64
     block_q_dq: int = 128
@@ -73,7 +74,9 @@ class BlockSizes:
 
 # float32 operands take twice the shared memory per tile: smaller key tiles and no
 # software pipelining (the 16-bit defaults asked for up to 353 KiB of the H200's 227 KiB at d 128).
+# sm90's float32 tiles (`profiles`).
 FLOAT32_BLOCK_SIZES = BlockSizes(block_kv=32, block_kv_dq=32, block_kv_dkv=32, num_stages=1)
+
 
 def n_tiles_of(count, block: int):
     """Tiles of `block` compressed blocks that hold the first `count` blocks: ceil(count/block)."""
@@ -419,11 +422,12 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
       k_cmp: `[B, C, G, d_k]`, compressed keys (block `i` covers tokens `[i*d, i*d + l)`).
       v_cmp: `[B, C, G, d_v]`, compressed values.
       cmp_block: l. cmp_stride: d. scale: softmax scale, `1/sqrt(d_k)` when None.
-      block_sizes: tiles (`BlockSizes()` when None). interpret: run the kernels in Pallas'
-        interpreter (CPU tests).
+      block_sizes: tiles (None: this GPU architecture's, `pallas_kernels.profiles`).
+        interpret: run the kernels in Pallas' interpreter (CPU tests).
       implementation: "triton" (the Pallas Triton kernels) or "xla" (the reference below).
 
-    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with
+    "triton", and for head dims the architecture has no tiles for (`profiles`).
 
     Returns:
       `o [B, T, H, d_v]` in the dtype of `q` and `lse [B, T, H]` float32 (natural log), with
@@ -435,7 +439,7 @@ def compressed_attention(q, k_cmp, v_cmp, *, cmp_block: int, cmp_stride: int,
                          scale=scale)
     if implementation == "triton":
         check_kernel_dtype("compressed_attention", q.dtype)
-        block_sizes = _default_block_sizes(q, block_sizes)
+        block_sizes = _default_block_sizes(q, block_sizes, v_cmp.shape[3])
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         # No compressed block exists yet (T < l), or no sequence: nothing to compute (and no
@@ -455,9 +459,13 @@ def _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, int
                     lse_only=True)
 
 
-def _default_block_sizes(q, block_sizes: Optional[BlockSizes]) -> BlockSizes:
+def _default_block_sizes(q, block_sizes: Optional[BlockSizes], d_v: int) -> BlockSizes:
+    """`block_sizes`, or the tiles of this GPU architecture, dtype and head dims (float32
+    operands take twice the shared memory of 16-bit ones: smaller key tiles, no software
+    pipelining). NotImplementedError where the architecture has no tiles for the heads."""
     if block_sizes is None:
-        return FLOAT32_BLOCK_SIZES if jnp.dtype(q.dtype).itemsize >= 4 else BlockSizes()
+        from pallas_kernels import profiles
+        return profiles.block_sizes("compressed", q.dtype, q.shape[3], d_v)
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a compressed_attention.BlockSizes, got "
                          f"{type(block_sizes).__name__}")
@@ -474,7 +482,7 @@ def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional
     scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     if implementation == "triton":
         check_kernel_dtype("compressed_attention", q.dtype)
-        block_sizes = _default_block_sizes(q, block_sizes)
+        block_sizes = _default_block_sizes(q, block_sizes, q.shape[3])
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)

@@ -59,7 +59,8 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Tile sizes of the decode kernels (defaults measured on an H200 at B 32, S 64k).
+    """Tile sizes of the decode kernels (defaults: sm90's, measured on an H200 at B 32, S 64k;
+    a call with `block_sizes=None` takes its architecture's, `pallas_kernels.profiles`).
 
     block_cmp: compressed slots per tile; block_win: window ring slots per tile (both powers of
     two >= 16). The selected branch's tile is the selection block (rounded up to a power of 2).
@@ -71,10 +72,10 @@ class DecodeBlockSizes:
     block_sel, num_warps_select: the selection kernel of `decode_compressed_select` (selection
     blocks scored per program, a power of two; select_contiguous: read the slots inside the
     blocks as one contiguous tile where l_sel / d is a power of two, not with a strided load per
-    slot offset; R44, H100, 64k: 19.8 against 28.2 us at B 32). topn_elements, num_warps_topn:
+    slot offset; H100, 64k: 19.8 against 28.2 us at B 32). topn_elements, num_warps_topn:
     the top-n kernel that ranks them after (`select_blocks.BlockSizes`' fields of the same names: scores per
     program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
-    an H100 (R40, bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
+    an H100 (bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
     32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
     with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps).
     append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
@@ -107,6 +108,15 @@ class DecodeBlockSizes:
         if self.topn_elements != next_pow2(self.topn_elements):
             raise ValueError(f"block_sizes.topn_elements ({self.topn_elements}) must be a power "
                              f"of 2")
+
+
+def _default_block_sizes(block_sizes: Optional[DecodeBlockSizes], q, v) -> DecodeBlockSizes:
+    """`block_sizes`, or the tiles of this GPU architecture and head dims (`profiles`);
+    NotImplementedError where it has none for them."""
+    if block_sizes is not None:
+        return block_sizes
+    from pallas_kernels import profiles
+    return profiles.block_sizes("decode", q.dtype, q.shape[-1], v.shape[-1])
 
 
 def _tile(first, size: int, length: int):
@@ -240,7 +250,7 @@ def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n
     contiguous `[h_pad, block_sel * r]` load, pooled by a reshape to `[block_sel, r]`; the slots
     m < 0 (before each block) are one strided load per m. Otherwise every m is a strided load.
     Forced blocks get +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with
-    one query per program its rounds are serial (75 us at B 32, 64k on an H100, R39), while the
+    one query per program its rounds are serial (75 us at B 32, 64k on an H100), while the
     top-n kernel ranks all rows at once."""
     t = t_ref[0]
     lse = lse_ref[...]
@@ -425,7 +435,7 @@ def append_rows_packed(buffers, sources, columns, index, index_columns, *,
     `[B, S_i, G, d]` gets `sources[s][:, off:off + G*d]` (`columns[i] = (s, off)`, static) at
     row `index[:, index_columns[i]]` (`>= S_i`: not written). sources `[B, W_s]`, index
     `[B, K]` int. So the projections' slices and the rows' arithmetic are no kernels of their
-    own (R51, H200: 31 -> 24 kernels and 84 -> 78 us busy a B 1 step at 64k). Returns the
+    own (H200: 31 -> 24 kernels and 84 -> 78 us busy a B 1 step at 64k). Returns the
     updated buffers (aliased to the inputs)."""
     n = len(buffers)
     if not (n == len(columns) == len(index_columns)) or n == 0:
@@ -520,7 +530,8 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
                                            cmp_stride=cmp_stride, scale=scale)
     o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                       cmp_stride=cmp_stride, scale=scale,
-                                      bs=block_sizes or DecodeBlockSizes(), interpret=interpret)
+                                      bs=_default_block_sizes(block_sizes, q, v_cmp),
+                                      interpret=interpret)
     # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
     h, C = H // G, k_cmp.shape[1]
     s = s[:, :, :h, :C]
@@ -600,7 +611,7 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
         return decode_compressed_select_reference(
             q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
             n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale)
-    bs = block_sizes or DecodeBlockSizes()
+    bs = _default_block_sizes(block_sizes, q, v_cmp)
     r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
     block_sel = bs.block_sel
     n_steps = -(-n_blocks // block_sel)
@@ -658,7 +669,7 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     if implementation == "xla":
         return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t,
                                                 sel_block=sel_block, window=window, scale=scale)
-    bs = block_sizes or DecodeBlockSizes()
+    bs = _default_block_sizes(block_sizes, q, v_sel)
     h = H // G
     dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
     tile = matmul_dim(sel_block)

@@ -520,11 +520,12 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
         `q`, `k_cmp`, `scale` (`-inf` where a query sees no compressed block).
       cmp_block, cmp_stride, sel_block, n_sel, n_init, n_local: l, d, l_sel and the selection
         counts of the spec (checked as `NSAConfig` checks them).
-      scale: softmax scale, `1/sqrt(d_k)` when None. block_sizes: tiles (`BlockSizes()` when
-        None). interpret: run in Pallas' interpreter (CPU tests). implementation: "triton"
+      scale: softmax scale, `1/sqrt(d_k)` when None. block_sizes: tiles (None: this GPU
+        architecture's, `pallas_kernels.profiles`). interpret: run in Pallas' interpreter (CPU tests). implementation: "triton"
         (the Pallas Triton kernels) or "xla" (the reference below).
 
-    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with
+    "triton", and for a d_k the architecture has no tiles for (`profiles`).
 
     Returns:
       `block_idx int32 [B, T, G, n_sel]`: the chosen selection blocks in ascending order, `-1`
@@ -542,7 +543,9 @@ def select_blocks(q, k_cmp, lse, *, cmp_block: int, cmp_stride: int, sel_block: 
     check_kernel_dtype("select_blocks", q.dtype)
     if q.shape[0] == 0:  # no sequence: no grid to launch
         return jnp.full((0, q.shape[1], k_cmp.shape[2], n_sel), -1, jnp.int32)
-    block_sizes = BlockSizes() if block_sizes is None else block_sizes
+    if block_sizes is None:
+        from pallas_kernels import profiles
+        block_sizes = profiles.block_sizes("select", q.dtype, q.shape[3])
     if not isinstance(block_sizes, BlockSizes):
         raise ValueError(f"block_sizes must be a select_blocks.BlockSizes, got "
                          f"{type(block_sizes).__name__}")

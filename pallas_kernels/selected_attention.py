@@ -59,7 +59,9 @@ class BlockSizes:
         `h` heads per group a step covers `dkv_rows // h` queries.
       dkv_chunk: queries per dk/dv work item; `None` means `2 * n_sel * l_sel` (twice a block's
         mean list length), so most blocks are one item and only the long lists split.
-      num_warps_* / num_stages_*: Triton launch parameters of the forward, dq and dk/dv kernels.
+      num_warps_* / num_stages_*: Triton launch parameters of the forward, dq and dk/dv kernels;
+        num_warps_dkv_reduce: the warps of the kernel that sums the dk/dv partials (its
+        `[tile, d]` float32 sums are 256 registers a thread at 4 warps and d 256).
       split_dk: a d_k that is the sum of two powers of two >= 16 (192 = 128 + 64, 96 = 64 + 32)
         enters the products as those two column parts, unpadded; False pads it to the next
         power of two (256 for 192), as before. Not yet measured on a GPU.
@@ -74,6 +76,7 @@ class BlockSizes:
     num_stages_dq: int = 2
     num_warps_dkv: int = 4
     num_stages_dkv: int = 2
+    num_warps_dkv_reduce: int = 4
     split_dk: bool = True
 
     def __post_init__(self):
@@ -455,8 +458,8 @@ def _backward_dkv(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret,
                                       lambda j, g, b: (b, j, 0, g, 0))
     dk, dv = pallas_call(
         functools.partial(_dkv_reduce_kernel, parts=geo.dk_parts),
-        name="nsa_selected_attention_dkv_reduce", num_warps=4, num_stages=1,
-        interpret=interpret, debug=debug, grid=(nb, G, B),
+        name="nsa_selected_attention_dkv_reduce", num_warps=bs.num_warps_dkv_reduce,
+        num_stages=1, interpret=interpret, debug=debug, grid=(nb, G, B),
         in_specs=[pl.BlockSpec((None, None, nb + 1), lambda j, g, b: (b, g, 0)),
                   parts_spec(geo.dk_pad), parts_spec(geo.dv_pad)],
         out_specs=[out_spec(geo.dk_pad), out_spec(geo.dv_pad)],
@@ -523,8 +526,15 @@ def _validate(q, k, v, block_idx, block_size) -> _Geometry:
                      l_sel=block_size)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "scale", "block_sizes", "interpret",
-                                             "debug", "implementation"))
+def _default_block_sizes(q, v, block_sizes: BlockSizes | None) -> BlockSizes:
+    """`block_sizes`, or the tiles of this GPU architecture and head dims (`profiles`);
+    NotImplementedError where it has none for them."""
+    if block_sizes is not None:
+        return block_sizes
+    from pallas_kernels import profiles
+    return profiles.block_sizes("selected", q.dtype, q.shape[-1], v.shape[-1])
+
+
 def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None = None, *,
                        block_sizes: BlockSizes | None = None, interpret: bool = False,
                        debug: bool = False, implementation: str = "triton"):
@@ -536,15 +546,32 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
         `-1` padded. Entries that are -1 or start after t are ignored.
       block_size: l_sel, tokens per selection block.
       scale: softmax scale, `1/sqrt(d_k)` when None.
-      block_sizes: launch parameters (`BlockSizes()` when None).
+      block_sizes: launch parameters (None: this GPU architecture's, `pallas_kernels.profiles`).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
       implementation: "triton" (Pallas Triton lowering) or "xla" (the reference).
 
-    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with "triton".
+    Raises NotImplementedError for inputs outside `_common.KERNEL_DTYPES` (float64) with
+    "triton", and for head dims the architecture has no tiles for (`profiles`).
 
     Returns:
       o: `[B, T, H, d_v]` in q's dtype. Differentiable in q, k, v.
     """
+    check_implementation(implementation)
+    _validate(q, k, v, block_idx, block_size)
+    if implementation == "triton":
+        check_kernel_dtype("selected_attention", q.dtype)
+        # Resolved here, outside the jit: its cache key then holds the architecture's tiles.
+        block_sizes = _default_block_sizes(q, v, block_sizes)
+    return _selected_attention_jit(q, k, v, block_idx, block_size, scale,
+                                   block_sizes=block_sizes, interpret=interpret, debug=debug,
+                                   implementation=implementation)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "scale", "block_sizes", "interpret",
+                                             "debug", "implementation"))
+def _selected_attention_jit(q, k, v, block_idx, block_size: int, scale: float | None, *,
+                            block_sizes: BlockSizes | None, interpret: bool, debug: bool,
+                            implementation: str):
     check_implementation(implementation)
     geo = _validate(q, k, v, block_idx, block_size)
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
@@ -575,7 +602,7 @@ def selected_attention_stages(q, k, v, block_idx, block_size: int, scale: float 
                               interpret: bool = False) -> Stages:
     """The stages of `selected_attention`'s forward and backward for these shapes (the arrays
     are only read for their shapes and dtypes, and `block_idx` is bound into the stages)."""
-    bs = block_sizes or BlockSizes()
+    bs = _default_block_sizes(q, v, block_sizes)
     geo = dataclasses.replace(_validate(q, k, v, block_idx, block_size), split_dk=bs.split_dk)
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     rest = (geo, scale, bs, interpret, False)

@@ -1,0 +1,198 @@
+"""Block sizes of every Pallas kernel per GPU architecture: one table, one lookup.
+
+A kernel called with `block_sizes=None` takes its tiles from here, for the architecture of the
+device the call is traced on, its input dtype and its head sizes:
+
+    NSA_PROFILE (sm80 | sm86 | sm89 | sm90)  >  the device's compute capability  >  sm90
+
+`NSA_PROFILE=base` (the PyTorch reference's name for "no profile") and an unset variable both
+mean the device's own capability; a CPU (interpret mode) takes sm90's tiles, so CPU tests run
+the tiles an H100 runs. Forcing a profile makes every choice of that architecture on any GPU
+(`NSA_PROFILE=sm89` on an H100 runs what an RTX 4090 runs, FlashAttention-3 off included).
+
+Each architecture's entry lists, per kernel, tiers `(widest head dim, block sizes)`: the first
+tier whose width holds the call's widest head dim (`d_k` or `d_v`, padded as the kernel pads it)
+serves it. A call wider than every tier of its architecture raises `NotImplementedError`, which
+`nsa_jax.dispatch` reads as "this backend declines" and falls through to the next backend (XLA):
+no kernel is ever launched with tiles over the device's shared memory.
+
+sm90 (H100 / H200) holds the tiles the kernels were tuned with (bench/RESULTS.md). The others
+are chosen so that every kernel at d_k, d_v up to 256 fits the architecture's shared memory per
+block and keeps its spill stores small, as compiled by `scripts/pallas_ptxas.py --arch`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import jax.numpy as jnp
+
+from pallas_kernels._common import matmul_dim
+from pallas_kernels.compressed_attention import BlockSizes as CompressedBlockSizes
+from pallas_kernels.compressed_attention import (
+    FLOAT32_BLOCK_SIZES as FLOAT32_COMPRESSED_BLOCK_SIZES)
+from pallas_kernels.decode import DecodeBlockSizes
+from pallas_kernels.select_blocks import BlockSizes as SelectBlockSizes
+from pallas_kernels.selected_attention import BlockSizes as SelectedBlockSizes
+
+ENV = "NSA_PROFILE"
+# Accepted for NSA_PROFILE with the meaning "the device decides" (the PyTorch profile name).
+DEVICE_PROFILE = "base"
+DEFAULT_ARCH = "sm90"
+KERNELS = ("compressed", "select", "selected", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchProfile:
+    """What the kernels and the Pallas backend assume of one GPU architecture.
+
+    shared_memory: bytes of shared memory one block may use (the opt-in maximum).
+    fa3: FlashAttention-3 (Hopper only) may run the compressed branch's fused path.
+    cudnn_max_head_dim: the widest head cuDNN's fused attention takes there.
+    tiers: kernel name -> dtype class ("16bit" | "float32") -> ((widest head, sizes), ...).
+    """
+
+    name: str
+    shared_memory: int
+    fa3: bool
+    cudnn_max_head_dim: int
+    tiers: dict = dataclasses.field(compare=False, hash=False)
+
+    def block_sizes(self, kernel: str, dtype, *head_dims: int):
+        """The block sizes of `kernel` for inputs of `dtype` with these head dims; raises
+        NotImplementedError where no tier of this architecture is wide enough."""
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
+        width = max(matmul_dim(d) for d in head_dims)
+        by_dtype = self.tiers[kernel]
+        tiers = by_dtype.get(_dtype_class(dtype)) or by_dtype["16bit"]
+        for widest, sizes in tiers:
+            if width <= widest:
+                return sizes
+        raise NotImplementedError(
+            f"the Pallas {kernel} kernel has no {self.name} tiles for head dims {head_dims} "
+            f"(at most {tiers[-1][0]} on {self.name}, {self.shared_memory:,} B of shared memory "
+            f"per block)")
+
+
+def _dtype_class(dtype) -> str:
+    return "float32" if jnp.dtype(dtype).itemsize >= 4 else "16bit"
+
+
+# ----------------------------------------------------------------------------------------------
+# The tables
+
+# Any head width: sm90 keeps the kernels' behaviour at every width.
+_ANY = 1 << 30
+
+# sm90: the tiles the kernels were tuned with on an H100 / H200, unchanged.
+_SM90 = {
+    "compressed": {"16bit": ((_ANY, CompressedBlockSizes()),),
+                   "float32": ((_ANY, FLOAT32_COMPRESSED_BLOCK_SIZES),)},
+    "select": {"16bit": ((_ANY, SelectBlockSizes()),)},
+    "selected": {"16bit": ((_ANY, SelectedBlockSizes()),)},
+    "decode": {"16bit": ((_ANY, DecodeBlockSizes()),)},
+}
+
+# sm86 / sm89 (101,376 B a block) and sm80 (166,912 B): Ampere and Ada have no wgmma, so the
+# operands of every product pass through registers and shared memory, and sm90's tiles spill or
+# overflow there (compressed forward: 1,412 B of spill stores at d 128, 147,456 B of shared
+# memory at d 256). These tiles keep every kernel inside 101,376 B up to d_k = d_v = 256 with at
+# most a hundred bytes of spill stores (`scripts/pallas_ptxas.py all --arch sm89`); sm80 takes
+# the same tiles (its larger shared memory is not needed for the fit). Not timed on these GPUs.
+_COMPRESSED_AMPERE_128 = CompressedBlockSizes(
+    block_q=128, block_kv=32, block_q_dq=64, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
+    num_warps=8, num_warps_bwd=8, num_stages=2, dkv_transposed=True)
+# Wide heads: a quarter of the query rows (a [64, 256] q tile is 32 KiB of shared memory).
+_COMPRESSED_AMPERE_256 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_q=64, block_kv_dq=16)
+_AMPERE = {
+    # dkv_transposed: the plain `a @ b` products spill nothing where the transposed-operand
+    # ones spilled 944-4,892 B (8 warps, d 128-256).
+    "compressed": {"16bit": ((128, _COMPRESSED_AMPERE_128), (256, _COMPRESSED_AMPERE_256)),
+                   "float32": ((128, dataclasses.replace(_COMPRESSED_AMPERE_128, num_stages=1)),
+                               (256, dataclasses.replace(_COMPRESSED_AMPERE_256, num_stages=1,
+                                                         block_kv=16)))},
+    # 64 queries a program at d_k 192 spilled 476 B; 32 queries and 2 stages spill <= 64 B.
+    "select": {"16bit": ((128, SelectBlockSizes()),
+                         (256, SelectBlockSizes(block_queries=32, num_stages=2)))},
+    # The dk/dv kernel holds a selection block's K, V and their float32 gradients: 32 gathered
+    # rows a step at d 128; 16 rows, 8 warps and no pipelining at d 256 (64 rows, 4 warps:
+    # 1,964 B of spills and 140,032 B of shared memory).
+    "selected": {"16bit": ((128, SelectedBlockSizes(dkv_rows=32)),
+                           (256, SelectedBlockSizes(dkv_rows=16, num_warps_dkv=8,
+                                                    num_stages_dkv=1,
+                                                    num_warps_dkv_reduce=8)))},
+    "decode": {"16bit": ((256, DecodeBlockSizes()),)},
+}
+_SM89 = _AMPERE
+_SM80 = _AMPERE
+
+PROFILES: dict[str, ArchProfile] = {
+    "sm80": ArchProfile("sm80", shared_memory=166_912, fa3=False, cudnn_max_head_dim=128,
+                        tiers=_SM80),
+    "sm86": ArchProfile("sm86", shared_memory=101_376, fa3=False, cudnn_max_head_dim=128,
+                        tiers=_SM89),
+    "sm89": ArchProfile("sm89", shared_memory=101_376, fa3=False, cudnn_max_head_dim=128,
+                        tiers=_SM89),
+    "sm90": ArchProfile("sm90", shared_memory=232_448, fa3=True, cudnn_max_head_dim=256,
+                        tiers=_SM90),
+}
+
+# compute capability (major, minor) -> profile; a major not listed takes the profile of the
+# nearest listed capability below it.
+_CAPABILITIES = {(8, 0): "sm80", (8, 6): "sm86", (8, 7): "sm86", (8, 9): "sm89",
+                 (9, 0): "sm90", (12, 0): "sm89"}
+
+
+def names() -> tuple[str, ...]:
+    """The profile names NSA_PROFILE takes (besides "base")."""
+    return tuple(sorted(PROFILES))
+
+
+def profile_for_capability(capability) -> str:
+    """The profile of a compute capability `"8.9"` / `(8, 9)`: the listed one at or below it."""
+    if isinstance(capability, str):
+        capability = tuple(int(part) for part in capability.split(".")[:2])
+    capability = tuple(capability)
+    below = [cap for cap in _CAPABILITIES if cap <= capability]
+    if not below:
+        return "sm86"   # pre-Ampere: the smallest shared memory of the table
+    return _CAPABILITIES[max(below)]
+
+
+def device_capability() -> Optional[str]:
+    """The compute capability ("9.0") of JAX's first device, None off a GPU."""
+    import jax
+
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return None
+    if device.platform != "gpu":
+        return None
+    return str(getattr(device, "compute_capability", "") or "") or None
+
+
+def resolve() -> tuple[str, str]:
+    """(profile name, why): NSA_PROFILE, else the device's capability, else sm90 (a CPU)."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen and chosen != DEVICE_PROFILE:
+        if chosen not in PROFILES:
+            raise ValueError(f"{ENV} ({chosen!r}) must be one of "
+                             f"{[DEVICE_PROFILE, *names()]}")
+        return chosen, f"{ENV}={chosen} (env)"
+    capability = device_capability()
+    if capability is None:
+        return DEFAULT_ARCH, "no GPU (interpret mode takes sm90's tiles)"
+    return profile_for_capability(capability), f"compute capability {capability}"
+
+
+def current() -> ArchProfile:
+    """The profile of this trace (see `resolve`)."""
+    return PROFILES[resolve()[0]]
+
+
+def block_sizes(kernel: str, dtype, *head_dims: int):
+    """`current().block_sizes(...)`: the default tiles of `kernel` here."""
+    return current().block_sizes(kernel, dtype, *head_dims)
