@@ -76,6 +76,13 @@ def check_cu_seqlens(cu_seqlens, batch: int, seq_len: int, input_name: str) -> N
         checks.check_cu_seqlens(cu_seqlens, seq_len)
 
 
+def as_jax_array(x):
+    """A NumPy array as the JAX array `jnp.asarray` makes of it (float64 becomes float32 while
+    x64 is off), so that an output "in x's dtype" has the dtype the computation ran in; anything
+    else (JAX arrays, tracers, invalid inputs left to the checks) passes through."""
+    return jnp.asarray(x) if isinstance(x, np.ndarray) else x
+
+
 # -- the composition (validated inputs) -----------------------------------------------------------
 def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: jax.Array,
            cmp_params: Optional[Mapping[str, Any]], cfg: NSAConfig, *, scale: float,
@@ -203,6 +210,7 @@ def native_sparse_attention(q: jax.Array, k: ArrayOrBranches, v: ArrayOrBranches
 
     -> o `[B, T, H, d_v]` in q's dtype (and aux).
     """
+    q = as_jax_array(q)
     k, v = _per_branch("k", k), _per_branch("v", v)
     _check_core_inputs(q, k, v, gates, cmp_params, cfg)
     B, T, H, d_k = q.shape

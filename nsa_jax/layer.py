@@ -196,6 +196,7 @@ def nsa_attention(params: Params, x: jax.Array, cfg: NSAConfig, *, cu_seqlens=No
     return_aux: also return `aux` = dict(o_cmp, o_sel, o_win `[B, T, H, d_v]`,
     gates `[B, T, H, 3]`, block_idx int32 `[B, T, G, n_sel]`).
     """
+    x = core.as_jax_array(x)
     check_layer_inputs(params, x, cfg)
     if cu_seqlens is not None:
         cu_seqlens = core.as_cu_seqlens(cu_seqlens)
