@@ -58,6 +58,8 @@ if __package__ in (None, ""):
 
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
 from bench.common import ERROR, OK, OOM, SKIPPED, Skip  # noqa: E402
+from bench.fla_setup import (FLA_MIN_HEADS_PER_GROUP, fla_config,  # noqa: E402
+                             install_window_shim)
 
 COLUMNS = ["bench", "row", "impl", "pass", "S", "B", "H", "G", "dk", "dv", "dtype", "compress",
            "l", "d", "l_sel", "n_sel", "w", "status", "ms", "ms_min", "ms_max", "peak_mb",
@@ -78,17 +80,6 @@ NO_NSA = dict(compress="", l="", d="", l_sel="", n_sel="", w="")
 # ---------------------------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------------------------
-def fla_fields(sel_block: int) -> dict[str, Any]:
-    """The NSAConfig fields of fla-org's configuration: mean compression with l = d = l_sel,
-    shared k/v."""
-    return dict(compress="mean", cmp_block=sel_block, cmp_stride=sel_block, shared_kv=True)
-
-
-def fla_config(cfg):
-    """fla-org's configuration of `cfg` (`fla_fields`)."""
-    return cfg.replace(**fla_fields(cfg.sel_block))
-
-
 def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:
     cfg = cfg or args.cfg
     return {"bench": "prefill", "row": row, "S": S, "B": args.B, "H": cfg.n_heads,
@@ -517,16 +508,15 @@ def run_fla(args, S: int, row: str):
     if device != "cuda":
         raise Skip("fla-org parallel_nsa is Triton on a GPU")
     h = args.cfg.heads_per_group
-    if h < 16 or h & (h - 1):
-        raise Skip(f"fla-org parallel_nsa needs h = H/G a power of two >= 16 (h = {h})")
+    if h < FLA_MIN_HEADS_PER_GROUP or h & (h - 1):
+        raise Skip(f"fla-org parallel_nsa needs h = H/G a power of two >= "
+                   f"{FLA_MIN_HEADS_PER_GROUP} (h = {h})")
     try:
         from fla.ops.nsa import parallel as fla_parallel
         from fla.ops.nsa import parallel_nsa
     except ImportError as exc:
         raise Skip(f"fla not importable ({exc})") from None
     cfg = fla_config(args.cfg)
-    from bench.fla_agreement import install_window_shim
-
     impl = f"fla.ops.nsa.parallel_nsa (window: {install_window_shim(fla_parallel)})"
 
     def nsa(q, k, v, gate_logits):

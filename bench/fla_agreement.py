@@ -15,7 +15,8 @@ Relative L2 = ||ours - fla|| / ||fla||; tolerances are the spec's (docs/NSA_SPEC
 selection agrees.
 
 What fla 0.6.0 computes (fla/ops/nsa/parallel.py, compression.py, utils/pooling.py), against
-our core in the configuration of `fla_config` (bench_prefill's `fla_fields`, as its `*_fla` rows):
+our core in the configuration of `fla_config` (`bench/fla_setup.py`, as bench_prefill's `*_fla`
+rows):
 - Compression: `mean_pooling(k, block_size)`, the mean of non-overlapping blocks of
   `block_size` tokens, taken in float32 and rounded to the input dtype; the same k and v feed
   all three branches. Ours: compress="mean", l = d = l_sel, shared_kv. (fla also pools a
@@ -80,7 +81,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
-from bench.bench_prefill import fla_fields  # noqa: E402
+from bench.fla_setup import (FLA_MIN_HEADS_PER_GROUP, fla_fields,  # noqa: E402
+                             install_window_shim)
 
 COLUMNS = ["S", "dtype", "selection", "what", "rel_l2", "max_abs", "tol", "verdict",
            "selection_agreement", "block_agreement", "B", "H", "G", "dk", "dv", "l_sel", "n_sel",
@@ -93,7 +95,6 @@ TOLERANCES = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 1e-2)}
 # Triton's interpreter (3.9) multiplies bf16 tiles wrongly (a 16x16 bf16 `tl.dot` is off by
 # ~1e10): the CPU check is float32 only.
 INTERPRETER_HALF_NOTE = "Triton's interpreter computes bf16 tl.dot wrongly (CPU: float32 only)"
-FLA_MIN_HEADS_PER_GROUP = 16
 FLA_MAX_HEAD_DIM = 256
 
 
@@ -103,7 +104,7 @@ FLA_MAX_HEAD_DIM = 256
 def fla_config(args):
     """Our NSAConfig in fla-org's configuration: the NSA flags (`common.add_nsa_args`), then
     mean compression with l = d = l_sel and one k/v shared by the three branches
-    (`bench_prefill.fla_fields`); --l, --d and --compress are overridden."""
+    (`bench.fla_setup.fla_fields`); --l, --d and --compress are overridden."""
     l_sel = args.l_sel if args.l_sel is not None else common.nsa_preset(args.preset).sel_block
     return common.nsa_config(args, **fla_fields(l_sel))
 
@@ -192,23 +193,6 @@ def pin_first_configs(module_prefix: str = "fla") -> int:
                 value.configs = value.configs[:1]
                 pinned += 1
     return pinned
-
-
-def install_window_shim(fla_parallel) -> str:
-    """fla's window branch calls the flash_attn package; where it is missing, give it
-    nsa_torch_ref.fast.fa2's sliding window (the same causal mask: window_size = (w - 1, 0) is
-    keys t - w + 1 .. t). Returns a label of the window's implementation."""
-    if fla_parallel.flash_attn_func is not None:
-        return "flash_attn"
-    from nsa_torch_ref.fast.fa2 import sliding_window_attention_fa2
-
-    def flash_attn_func(q, k, v, causal=True, window_size=(-1, -1)):
-        if not causal or window_size[1] != 0 or window_size[0] < 0:
-            raise ValueError("this shim serves fla's causal sliding window only")
-        return sliding_window_attention_fa2(q, k, v, window_size[0] + 1)
-
-    fla_parallel.flash_attn_func = flash_attn_func
-    return "torch FA-2 via nsa_torch_ref.fast.fa2"
 
 
 def import_fla(first_configs: bool = False):

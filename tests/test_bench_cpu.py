@@ -300,7 +300,7 @@ def test_every_script_takes_the_nsa_settings_alike():
 def test_fla_agreement_takes_the_nsa_settings_with_fla_fields_pinned():
     """fla_agreement reads the same flags; fla's configuration then pins l = d = l_sel, mean
     compression and shared k/v (the `*_fla` rows of bench_prefill), whatever --l/--d say."""
-    from bench import fla_agreement
+    from bench import fla_agreement, fla_setup
 
     parser = fla_agreement.build_parser()
     argv = ["--preset", "tiny", "--H", "32", "--G", "2", "--dk", "16", "--dv", "16", "--l", "8",
@@ -309,7 +309,7 @@ def test_fla_agreement_takes_the_nsa_settings_with_fla_fields_pinned():
                           sel_block=8, n_sel=4, window=16, compress="mean", shared_kv=True)
     assert fla_agreement.fla_config(parser.parse_args(argv)) == want
     # the defaults: the bench preset (H 64, G 4, d_k = d_v = 128, l_sel 64, n_sel 16, w 512)
-    assert fla_agreement.parse_args([]).cfg == bench_prefill.fla_config(common.nsa_preset("bench"))
+    assert fla_agreement.parse_args([]).cfg == fla_setup.fla_config(common.nsa_preset("bench"))
     # l_sel below the preset's stride: fla's l = d = l_sel is applied before the config's checks
     assert fla_agreement.parse_args(["--H", "16", "--G", "1", "--l_sel", "8", "--n_sel", "4"]
                                     ).cfg.cmp_stride == 8
@@ -318,6 +318,34 @@ def test_fla_agreement_takes_the_nsa_settings_with_fla_fields_pinned():
     for old in (["--heads", "4"], ["--groups", "2"]):
         with pytest.raises(SystemExit):
             parser.parse_args(old)
+
+
+def test_bench_modules_import_no_cycle():
+    """The bench modules import each other without a cycle (bench_prefill and fla_agreement once
+    imported each other; what they share is in fla_setup)."""
+    import ast
+
+    names = {name[:-3] for name in os.listdir(os.path.join(REPO, "bench")) if name.endswith(".py")}
+    imports = {}
+    for name in names:
+        with open(os.path.join(REPO, "bench", f"{name}.py")) as f:
+            tree = ast.parse(f.read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in ("bench", None):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module.startswith("bench."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("bench.")}
+        imports[name] = found & names - {name}
+    assert imports["bench_prefill"] and imports["fla_agreement"]  # the walk sees imports
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n)))
+                   for n in imports[start])
+
+    assert [name for name in sorted(names) if reaches(name, name)] == []
 
 
 def test_force_gates_rejects_unknown_branch():
