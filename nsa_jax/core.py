@@ -87,7 +87,8 @@ def as_jax_array(x):
 def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: jax.Array,
            cmp_params: Optional[Mapping[str, Any]], cfg: NSAConfig, *, scale: float,
            segments: Optional[Segments], backend: dispatch.Backend,
-           options: Optional[Mapping[str, Any]]) -> tuple[jax.Array, dict]:
+           options: Optional[Mapping[str, Any]],
+           block_idx: Optional[jax.Array] = None) -> tuple[jax.Array, dict]:
     """Spec steps 4-9 through the dispatch.
 
     q `[B, T, H, d_k]`; kv: per branch c in (cmp, sel, win) `(k_c [B, T, G, d_k], v_c
@@ -95,6 +96,8 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
     "cmp_v"}` (`compress="mlp"`) or None. -> (o `[B, T, H, d_v]` unrounded: the promotion of the
     gates' and branch outputs' dtypes, parts): parts holds k_cmp / v_cmp `[B, C, G, d]`, o_cmp,
     o_sel, o_win `[B, T, H, d_v]`, lse `[B, T, H]` and block_idx int32 `[B, T, G, n_sel]`.
+    block_idx: given (int32 `[B, T, G, n_sel]`), the selected branch attends to these blocks and
+    the selection is skipped (a shared selection for parity checks).
     """
     def run(branch, *args, **kwargs):
         return dispatch.call(branch, backend, *args, segments=segments, options=options,
@@ -106,13 +109,27 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
     o_cmp, lse = run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
     # Selection reuses the compressed branch's lse: backends that normalise with it (Pallas)
     # would otherwise run the compressed scores a second time.
-    block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
+    if block_idx is None:
+        block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
     o_sel = run("selected_attention", q, *kv["sel"], block_idx, block_size=cfg.sel_block,
                 scale=scale)
     o_win = run("sliding_window_attention", q, *kv["win"], window=cfg.window, scale=scale)
     parts = dict(k_cmp=k_cmp, v_cmp=v_cmp, o_cmp=o_cmp, lse=lse, block_idx=block_idx,
                  o_sel=o_sel, o_win=o_win)
     return mix_branches(gates, o_cmp, o_sel, o_win), parts
+
+
+def check_block_idx(block_idx, rows: tuple[int, int], n_kv_heads: int, cfg: NSAConfig):
+    """None, or a given block_idx as int32 after a ValueError check of its shape `[*rows, G,
+    n_sel]` (rows: the queries' `(B, T)`)."""
+    if block_idx is None:
+        return None
+    checks.array("block_idx", block_idx, 4, floating=False, integer=True)
+    expected = (*rows, n_kv_heads, cfg.n_sel)
+    if tuple(block_idx.shape) != expected:
+        raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected {expected} "
+                         f"[B, T, G, n_sel]")
+    return jnp.asarray(block_idx, jnp.int32)
 
 
 def mix_branches(gates: jax.Array, o_cmp: jax.Array, o_sel: jax.Array,
@@ -122,14 +139,15 @@ def mix_branches(gates: jax.Array, o_cmp: jax.Array, o_sel: jax.Array,
     return gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_sel + gates[..., 2:3] * o_win
 
 
-def _core_unchecked(q, kv, gates, cmp_params, cu_seqlens, *, cfg: NSAConfig, scale: float,
-                    gates_are_logits: bool, backend, options, precision):
+def _core_unchecked(q, kv, gates, cmp_params, cu_seqlens, block_idx, *, cfg: NSAConfig,
+                    scale: float, gates_are_logits: bool, backend, options, precision):
     with precision_scope(precision):
         segments = None if cu_seqlens is None else from_cu_seqlens(cu_seqlens, q.shape[1], cfg)
         if gates_are_logits:
             gates = jax.nn.sigmoid(gates)
         o, parts = attend(q, kv, gates, cmp_params, cfg, scale=scale, segments=segments,
-                          backend=backend, options=dict(options) if options else None)
+                          backend=backend, options=dict(options) if options else None,
+                          block_idx=block_idx)
     return o.astype(q.dtype), dict(parts, gates=gates)
 
 
@@ -183,7 +201,8 @@ def native_sparse_attention(q: jax.Array, k: ArrayOrBranches, v: ArrayOrBranches
                             scale: Optional[float] = None,
                             backend: dispatch.Backend = "xla",
                             options: Optional[Mapping[str, Any]] = None,
-                            precision: Precision = None, return_aux: bool = False):
+                            precision: Precision = None, return_aux: bool = False,
+                            block_idx: Optional[jax.Array] = None):
     """NSA attention on projected (and already RoPE'd) tensors: `o = sum_c gates[..., c] * o_c`.
 
     q: `[B, T, H, d_k]`.
@@ -204,6 +223,9 @@ def native_sparse_attention(q: jax.Array, k: ArrayOrBranches, v: ArrayOrBranches
     options: `{backend name: its options}` (`XlaOptions`, `PallasOptions`).
     precision: of the matmuls without their own (XLA branches): None keeps JAX's default for
         the dtype (TF32 for float32 on recent GPUs); `"highest"` gives IEEE float32.
+    block_idx: int `[B, T, G, n_sel]` selection blocks to attend to instead of the selection's
+        own (ascending, -1 padded, as `select_blocks` returns them; per packed sequence, local
+        block indices): the parity report forces both frameworks onto one selection this way.
     return_aux: also return `aux`: o_cmp, o_sel, o_win `[B, T, H, d_v]`, gates `[B, T, H, 3]`
         (values), block_idx int32 `[B, T, G, n_sel]`, lse `[B, T, H]` (the compressed branch's
         log-sum-exp, float32; -inf where no block is admissible), k_cmp / v_cmp `[B, C, G, d]`.
@@ -218,7 +240,8 @@ def native_sparse_attention(q: jax.Array, k: ArrayOrBranches, v: ArrayOrBranches
         cu_seqlens = as_cu_seqlens(cu_seqlens)
         check_cu_seqlens(cu_seqlens, B, T, "q")
     kv = {c: (k[c], v[c]) for c in BRANCH_NAMES}
-    o, aux = _core_jit(q, kv, gates, cmp_params, cu_seqlens, cfg=cfg,
+    block_idx = check_block_idx(block_idx, (B, T), k["cmp"].shape[2], cfg)
+    o, aux = _core_jit(q, kv, gates, cmp_params, cu_seqlens, block_idx, cfg=cfg,
                        scale=checks.scale(scale, d_k), gates_are_logits=bool(gates_are_logits),
                        backend=dispatch.static_backend(backend),
                        options=dispatch.static_options(options),

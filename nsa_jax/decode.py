@@ -33,7 +33,7 @@ from jax import lax
 import nsa_common
 from nsa_common import (NSAConfig, cmp_admissible, num_admissible_cmp_blocks, num_cmp_blocks,
                         num_sel_blocks)
-from nsa_jax import checks, dispatch
+from nsa_jax import checks, core, dispatch
 from nsa_jax.core import mix_branches
 from nsa_jax.layer import (check_layer_inputs, check_params, combine, dense, forward_unchecked,
                            gate_values, gates_from_logits, kv_names, output, project)
@@ -126,7 +126,8 @@ def _check_room(cache: DecodeCache, new_tokens, what: str) -> None:
 
 
 def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths=None,
-            backend: dispatch.Backend = "xla", options=None, return_aux: bool = False):
+            backend: dispatch.Backend = "xla", options=None, return_aux: bool = False,
+            block_idx=None):
     """Append a chunk of tokens to each sequence and attend: prompts, chunked prefill, or the
     continuation of a conversation.
 
@@ -139,6 +140,8 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
     decode entries of `backend` (kernels that take one query per sequence, such as Pallas',
     pass a longer chunk to the next backend, XLA's chunk functions: memory `O(B T H C)`, so
     feed long continuations in chunks).
+    block_idx: int `[B, T, G, n_sel]` selection blocks for the new tokens instead of their own
+    selection (the parity report's shared selection); None selects as usual.
     """
     check_layer_inputs(params, x, cfg)
     B, T, _ = x.shape
@@ -154,7 +157,9 @@ def prefill(params, x: jax.Array, cfg: NSAConfig, cache: DecodeCache, *, lengths
     _check_room(cache, lengths, "prefill")
     held = checks.concrete(cache.lengths)
     fresh = held is not None and not np.any(held)
-    y, cache, aux = _prefill_jit(params, x, cache, jnp.asarray(lengths, jnp.int32), cfg=cfg,
+    block_idx = core.check_block_idx(block_idx, (B, T), cfg.n_kv_heads, cfg)
+    y, cache, aux = _prefill_jit(params, x, cache, jnp.asarray(lengths, jnp.int32), block_idx,
+                                 cfg=cfg,
                                  backend=dispatch.static_backend(backend),
                                  options=dispatch.static_options(options), fresh=fresh)
     chex.assert_shape(y, x.shape)
@@ -213,8 +218,8 @@ def _refuse(y: jax.Array, fits: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "options", "fresh"))
-def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, backend, options,
-                 fresh: bool):
+def _prefill_jit(params, x, cache: DecodeCache, lengths, block_idx, *, cfg: NSAConfig, backend,
+                 options, fresh: bool):
     B, T, _ = x.shape
     l, d = cfg.cmp_block, cfg.cmp_stride
     run_options = dict(options) if options else None
@@ -226,7 +231,8 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
     n_slots = cache.k_cmp.shape[1]
     if fresh:
         # Causal: the layer's outputs at a row's real tokens ignore the padding after them.
-        y, aux, proj, parts = forward_unchecked(params, x, None, cfg=cfg, backend=backend,
+        y, aux, proj, parts = forward_unchecked(params, x, None, block_idx, cfg=cfg,
+                                                backend=backend,
                                                 options=options, internals=True)
         cache = _append_tokens(cache, proj, pos, new, cfg, backend, run_options)
         n_blocks = parts["k_cmp"].shape[1]
@@ -268,7 +274,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, *, cfg: NSAConfig, back
                            v_cmp=put_rows(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
         o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
-                                                 run_options, window=window)
+                                                 run_options, window=window, block_idx=block_idx)
         y, gates = combine(params, x, cfg, o_cmp, o_sel, o_win)
         aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     real = jnp.arange(T, dtype=jnp.int32)[None] < new[:, None]
@@ -287,7 +293,8 @@ def decode_read_bound(cfg: NSAConfig, t: jax.Array) -> jax.Array:
 
 
 def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
-                return_aux: bool = False, backend: dispatch.Backend = "xla", options=None):
+                return_aux: bool = False, backend: dispatch.Backend = "xla", options=None,
+                block_idx=None):
     """Append one token per sequence and attend. x_t `[B, 1, d_model]`; sequence b's token sits
     at position `t_b = cache.lengths[b]`.
 
@@ -305,14 +312,17 @@ def decode_step(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
     (compressed blocks available), `sel` (tokens <= t of the valid selected blocks; the largest
     over the KV heads), `win` (`min(w, t + 1)`), `total`, and `bound` (the paper's formula).
     A full sequence raises (concrete lengths) or gets NaN and `cache.overflow` (traced).
+    block_idx: int `[B, 1, G, n_sel]` selection blocks instead of the step's own selection (the
+    parity report's shared selection); None selects as usual.
     """
     return decode_step_branches(params, x_t, cfg, cache, branches=BRANCHES,
-                                return_aux=return_aux, backend=backend, options=options)
+                                return_aux=return_aux, backend=backend, options=options,
+                                block_idx=block_idx)
 
 
 def decode_step_branches(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCache, *,
                          branches: Sequence[str], return_aux: bool = False,
-                         backend: dispatch.Backend = "xla", options=None):
+                         backend: dispatch.Backend = "xla", options=None, block_idx=None):
     """`decode_step` attending with only `branches` (a subset of ("cmp", "sel", "win"); the
     others' outputs are 0): the benchmark's per-branch breakdown. The appends, the compression
     MLP, the gates and the output projection run as in the full step; "sel" also runs the
@@ -328,7 +338,8 @@ def decode_step_branches(params, x_t: jax.Array, cfg: NSAConfig, cache: DecodeCa
     backend = dispatch.static_backend(backend)
     _check_cache(cache, cfg, B)
     _check_room(cache, np.ones((B,), np.int32), "decode_step")
-    out = _decode_step_jit(params, x_t, cache, cfg=cfg, backend=backend,
+    block_idx = core.check_block_idx(block_idx, (B, 1), cfg.n_kv_heads, cfg)
+    out = _decode_step_jit(params, x_t, cache, block_idx, cfg=cfg, backend=backend,
                            options=dispatch.static_options(options), branches=branches)
     chex.assert_shape(out[0], x_t.shape)
     return out if return_aux else out[:3]
@@ -417,7 +428,7 @@ def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "options", "branches"))
-def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend,
+def _decode_step_jit(params, x_t, cache: DecodeCache, block_idx, *, cfg: NSAConfig, backend,
                      options, branches: tuple):
     l, d = cfg.cmp_block, cfg.cmp_stride
     options = dict(options) if options else None
@@ -428,7 +439,7 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, *, cfg: NSAConfig, backend
     emit = fits & nsa_common.completes_cmp_block(t, l, d)
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
-                                             backend, options)
+                                             backend, options, block_idx=block_idx)
     # Prepared params: the gate logits came out of the projection GEMM.
     gates = (gates_from_logits(params, proj["gate_logits"], cfg) if "gate_logits" in proj
              else gate_values(params, x_t, cfg))
@@ -454,7 +465,7 @@ def step_reads(cfg: NSAConfig, t: jax.Array, block_idx: jax.Array) -> dict:
 
 
 def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend, options, *,
-            window=None):
+            window=None, block_idx=None):
     """The branch outputs `[B, Q, H, d_v]` (0 for branches not asked for) and block_idx
     `[B, Q, G, n_sel]` (-1 without "sel") of queries q `[B, Q, H, d_k]` at positions `[B, Q]`,
     on a cache that already holds them, through the decode entries of `backend`.
@@ -462,10 +473,12 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
     window: None, the cache's ring (a decode step's query is its newest token); or, for a chunk
     of several queries, `(k [B, K, G, d_k], v [B, K, G, d_v], tokens int [B, K])`: the window's
     keys (the ring before the chunk, then the chunk) and the token each row holds.
+    block_idx: `[B, Q, G, n_sel]` blocks the selected branch reads instead of the selection's.
     """
     B, Q = positions.shape
     o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
     o_cmp = o_sel = o_win = o_zero
+    forced = block_idx
     block_idx = jnp.full((B, Q, cfg.n_kv_heads, cfg.n_sel), -1, jnp.int32)
 
     def run(entry, *args, **kwargs):
@@ -476,6 +489,7 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         # One entry for both (Pallas: the selection reads the compressed kernel's scores).
         o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,
                            scale=cfg.scale, n_sel_blocks=num_sel_blocks(cfg, cache.max_len))
+        block_idx = block_idx if forced is None else forced
         if "cmp" in branches:
             o_cmp = o
     elif "cmp" in branches:

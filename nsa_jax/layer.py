@@ -132,7 +132,10 @@ def gates_from_logits(params: Params, logits: jax.Array, cfg: NSAConfig) -> jax.
     """The gates of logits `x @ wg` `[B, T, 3H]` (decode computes them in its projection GEMM)
     -> sigmoid values `[B, T, H, 3]`."""
     B, T, _ = logits.shape
-    return jax.nn.sigmoid(logits + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+    dtype = jnp.result_type(logits, params["bg"])
+    # In float32: the bias's gradient sums B*T cotangents, which bfloat16 would round badly.
+    logits = logits.astype(jnp.float32) + params["bg"].astype(jnp.float32)
+    return jax.nn.sigmoid(logits).astype(dtype).reshape(B, T, cfg.n_heads, 3)
 
 
 def output(params: Params, x: jax.Array, cfg: NSAConfig, o: jax.Array) -> jax.Array:
@@ -151,8 +154,9 @@ def check_layer_inputs(params, x, cfg) -> None:
     check_params(params, cfg)
 
 
-def forward_unchecked(params: Params, x: jax.Array, cu_seqlens, *, cfg: NSAConfig, backend,
-                      options, precision: Optional[str] = None, internals: bool = False):
+def forward_unchecked(params: Params, x: jax.Array, cu_seqlens, block_idx=None, *,
+                      cfg: NSAConfig, backend, options, precision: Optional[str] = None,
+                      internals: bool = False):
     """The layer on validated inputs. -> (y, aux), plus (proj, parts) with `internals` (parts:
     `core.attend`'s). `options` is `dispatch.static_options(...)` (a tuple of items) or None;
     `precision` is `core.check_precision(...)`'s."""
@@ -169,7 +173,7 @@ def forward_unchecked(params: Params, x: jax.Array, cu_seqlens, *, cfg: NSAConfi
             proj["q"], {c: (proj[f"k_{c}"], proj[f"v_{c}"]) for c in BRANCH_NAMES}, gates,
             {"cmp_k": params["cmp_k"], "cmp_v": params["cmp_v"]} if mlp else None, cfg,
             scale=cfg.scale, segments=segments, backend=backend,
-            options=dict(options) if options else None)
+            options=dict(options) if options else None, block_idx=block_idx)
         y = output(params, x, cfg, o)
     aux = dict(o_cmp=parts["o_cmp"], o_sel=parts["o_sel"], o_win=parts["o_win"], gates=gates,
                block_idx=parts["block_idx"])
@@ -182,7 +186,8 @@ _forward_jit = jax.jit(forward_unchecked,
 
 def nsa_attention(params: Params, x: jax.Array, cfg: NSAConfig, *, cu_seqlens=None,
                   backend: dispatch.Backend = "xla", return_aux: bool = False,
-                  options: Optional[Mapping[str, Any]] = None, precision: core.Precision = None):
+                  options: Optional[Mapping[str, Any]] = None, precision: core.Precision = None,
+                  block_idx: Optional[jax.Array] = None):
     """One NSA layer. x `[B, T, d_model]` -> y `[B, T, d_model]` (x's dtype).
 
     cu_seqlens: int `[N + 1]` packing N sequences into `B = 1`: a JAX array (may be traced
@@ -193,6 +198,9 @@ def nsa_attention(params: Params, x: jax.Array, cfg: NSAConfig, *, cu_seqlens=No
     precision: of the projections and the XLA branches' matmuls: None (default) keeps JAX's
     default for the dtype (TF32 for float32 on recent GPUs) or the caller's
     `jax.default_matmul_precision`; `"highest"` / `jax.lax.Precision.HIGHEST` gives IEEE float32.
+    block_idx: int `[B, T, G, n_sel]` selection blocks the selected branch attends to instead
+    of the layer's own selection (see `native_sparse_attention`); equal to the layer's own, it
+    changes nothing.
     return_aux: also return `aux` = dict(o_cmp, o_sel, o_win `[B, T, H, d_v]`,
     gates `[B, T, H, 3]`, block_idx int32 `[B, T, G, n_sel]`).
     """
@@ -202,7 +210,8 @@ def nsa_attention(params: Params, x: jax.Array, cfg: NSAConfig, *, cu_seqlens=No
         cu_seqlens = core.as_cu_seqlens(cu_seqlens)
         core.check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], "x")
     # Compiled once per static configuration; inlined when the caller is itself under jit.
-    y, aux = _forward_jit(params, x, cu_seqlens, cfg=cfg,
+    block_idx = core.check_block_idx(block_idx, x.shape[:2], cfg.n_kv_heads, cfg)
+    y, aux = _forward_jit(params, x, cu_seqlens, block_idx, cfg=cfg,
                           backend=dispatch.static_backend(backend),
                           options=dispatch.static_options(options),
                           precision=core.check_precision(precision))

@@ -25,7 +25,8 @@ import torch
 from nsa_common import (NSAConfig, completed_cmp_block, completes_cmp_block, decode_read_bound,
                         num_cmp_blocks, num_sel_blocks)
 from nsa_torch_ref import dispatch
-from nsa_torch_ref.module import NSAAttention, combine, compress_branch_kv, nsa_forward, project
+from nsa_torch_ref.module import (NSAAttention, check_block_idx, combine, compress_branch_kv,
+                                  nsa_forward, project)
 from nsa_torch_ref.reference import (_compressed_rows, _resolve_scale, _select_rows,
                                      _selected_rows, _window_rows)
 
@@ -102,11 +103,15 @@ def _check_room(cache: NSACache, new: Sequence[int], what: str) -> None:
 
 
 @torch.no_grad()
-def prefill(module: NSAAttention, x: torch.Tensor, cache: NSACache, lengths=None):
+def prefill(module: NSAAttention, x: torch.Tensor, cache: NSACache, lengths=None,
+            block_idx: Optional[torch.Tensor] = None, return_aux: bool = False):
     """Append a chunk of tokens to each sequence and attend (prompt or continuation).
 
     x: [B, T, d_model]; row b holds `lengths[b]` new tokens (ints [B], default T; the rest is
     padding) at positions cache.lengths[b]... Returns (y [B, T, d_model], cache), y 0 at padding.
+    block_idx: int [B, T, G, n_sel] selection blocks for the new tokens instead of their own
+    selection (the parity report's shared selection); None selects as usual.
+    return_aux: also return dict(block_idx int32 [B, T, G, n_sel]), -1 at padding.
     """
     _check_step_input(module, x, cache, "x")
     B, T = x.shape[:2]
@@ -114,23 +119,34 @@ def prefill(module: NSAAttention, x: torch.Tensor, cache: NSACache, lengths=None
     if len(new) != B or any(n < 0 or n > T for n in new):
         raise ValueError(f"lengths ({new}) must hold B = {B} entries in [0, T = {T}]")
     _check_room(cache, new, "prefill")
+    if block_idx is not None:
+        block_idx = check_block_idx(block_idx, (B, T), module.cfg.n_kv_heads, module.cfg)
     y = torch.zeros_like(x)
+    cfg = module.cfg
+    chosen = torch.full((B, T, cfg.n_kv_heads, cfg.n_sel), -1, dtype=torch.int32,
+                        device=x.device)
     params = module.param_tree()
     for b, n in enumerate(new):
+        forced = None if block_idx is None else block_idx[b:b + 1]
         if n and int(cache.lengths[b]) == 0:
-            y[b:b + 1, :n] = _prefill_row(module, params, x[b:b + 1, :n], cache, b)
+            y[b:b + 1, :n], chosen[b:b + 1, :n] = _prefill_row(
+                module, params, x[b:b + 1, :n], cache, b, None if forced is None else forced[:, :n])
         else:
             for i in range(n):
-                y_i, _, _ = _step_row(module.cfg, params, x[b:b + 1, i:i + 1], cache, b)
+                y_i, _, aux = _step_row(module.cfg, params, x[b:b + 1, i:i + 1], cache, b,
+                                        None if forced is None else forced[:, i:i + 1])
+                chosen[b:b + 1, i:i + 1] = aux["block_idx"]
                 y[b:b + 1, i:i + 1] = y_i
-    return y, cache
+    return (y, cache, {"block_idx": chosen}) if return_aux else (y, cache)
 
 
-def _prefill_row(module: NSAAttention, params, x: torch.Tensor, cache: NSACache, b: int):
-    """The layer over sequence b's first tokens x [1, T, d_model], written into its rows."""
+def _prefill_row(module: NSAAttention, params, x: torch.Tensor, cache: NSACache, b: int,
+                 block_idx: Optional[torch.Tensor] = None):
+    """The layer over sequence b's first tokens x [1, T, d_model], written into its rows.
+    -> (y [1, T, d_model], block_idx [1, T, G, n_sel])."""
     cfg = module.cfg
     T = x.shape[1]
-    y, _, kv = nsa_forward(params, x, cfg, dispatch.resolve_all(module.backends))
+    y, aux, kv = nsa_forward(params, x, cfg, dispatch.resolve_all(module.backends), block_idx)
     k, v = kv["k"], kv["v"]
     cache.k_sel[b, :T] = k["sel"][0]
     cache.v_sel[b, :T] = v["sel"][0]
@@ -143,12 +159,12 @@ def _prefill_row(module: NSAAttention, params, x: torch.Tensor, cache: NSACache,
     cache.k_cmp[b, :n_cmp] = kv["k_cmp"][0]
     cache.v_cmp[b, :n_cmp] = kv["v_cmp"][0]
     cache.lengths[b] = T
-    return y
+    return y, aux["block_idx"]
 
 
 @torch.no_grad()
 def decode_step(module: NSAAttention, x_t: torch.Tensor, cache: NSACache,
-                return_aux: bool = False):
+                return_aux: bool = False, block_idx: Optional[torch.Tensor] = None):
     """Append one token per sequence, at its own position t_b = cache.lengths[b], and attend.
 
     x_t: [B, 1, d_model]. Returns (y_t [B, 1, d_model], cache, reads) and, with `return_aux`,
@@ -159,11 +175,18 @@ def decode_step(module: NSAAttention, x_t: torch.Tensor, cache: NSACache,
     blocks available and `win` = min(w, t + 1) ([B]); `sel` the tokens <= t of the valid
     selected blocks and `total` = cmp + sel + win ([B, G], as each sequence and KV head selects
     its own blocks); `bound` = nsa_common.decode_read_bound(cfg, t) ([B]).
+    block_idx: int [B, 1, G, n_sel] selection blocks instead of the step's own selection (the
+    parity report's shared selection); None selects as usual.
     """
     _check_step_input(module, x_t, cache, "x_t", n_tokens=1)
     _check_room(cache, [1] * cache.batch, "decode_step")
+    if block_idx is not None:
+        block_idx = check_block_idx(block_idx, (cache.batch, 1), module.cfg.n_kv_heads,
+                                    module.cfg)
     params = module.param_tree()
-    rows = [_step_row(module.cfg, params, x_t[b:b + 1], cache, b) for b in range(cache.batch)]
+    rows = [_step_row(module.cfg, params, x_t[b:b + 1], cache, b,
+                      None if block_idx is None else block_idx[b:b + 1])
+            for b in range(cache.batch)]
     y = torch.cat([row[0] for row in rows])
     reads = {key: torch.cat([row[1][key] for row in rows]) for key in rows[0][1]}
     if return_aux:
@@ -172,7 +195,8 @@ def decode_step(module: NSAAttention, x_t: torch.Tensor, cache: NSACache,
     return y, cache, reads
 
 
-def _step_row(cfg: NSAConfig, params, x_t: torch.Tensor, cache: NSACache, b: int):
+def _step_row(cfg: NSAConfig, params, x_t: torch.Tensor, cache: NSACache, b: int,
+              block_idx: Optional[torch.Tensor] = None):
     """Append sequence b's token x_t [1, 1, d_model] at t = cache.lengths[b] and attend.
     -> (y [1, 1, d_model], reads of this row ([1] / [1, G]), aux of this row)."""
     t = int(cache.lengths[b])
@@ -201,7 +225,10 @@ def _step_row(cfg: NSAConfig, params, x_t: torch.Tensor, cache: NSACache, b: int
     n_cmp = num_cmp_blocks(cfg, t + 1)
     o_cmp, p_cmp, _ = _compressed_rows(q, cache.k_cmp[row, :n_cmp], cache.v_cmp[row, :n_cmp],
                                        q_pos, cfg, scale)
-    block_idx = _select_rows(p_cmp, q_pos, cfg, num_sel_blocks(cfg, t + 1))
+    if block_idx is None:
+        block_idx = _select_rows(p_cmp, q_pos, cfg, num_sel_blocks(cfg, t + 1))
+    else:
+        block_idx = block_idx.to(device=device, dtype=torch.int32)
     o_sel = _selected_rows(q, cache.k_sel[row, :t + 1], cache.v_sel[row, :t + 1], block_idx,
                            cfg.sel_block, q_pos, scale)
     n_win = min(cfg.window, t + 1)

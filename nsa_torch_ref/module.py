@@ -96,7 +96,7 @@ def gate_sum(gates: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor,
 def native_sparse_attention(q: torch.Tensor, k, v, gates: torch.Tensor, cfg: NSAConfig, *,
                             cmp_params: Optional[Params] = None, gates_are_logits: bool = False,
                             kernels: Optional[Mapping[str, Callable]] = None,
-                            return_aux: bool = False):
+                            block_idx: Optional[torch.Tensor] = None, return_aux: bool = False):
     """NSA attention on projected (and already RoPE'd) tensors: `o = sum_c gates[..., c] * o_c`
     (spec steps 4-9; the counterpart of `nsa_jax.native_sparse_attention`, one unpacked problem
     at positions 0..T-1).
@@ -104,7 +104,10 @@ def native_sparse_attention(q: torch.Tensor, k, v, gates: torch.Tensor, cfg: NSA
     q: [B, T, H, d_k]; k, v: [B, T, G, d_k] / [B, T, G, d_v] shared by the branches, or dicts
     {"cmp", "sel", "win"} of such tensors; gates: [B, T, H, 3] (cmp, sel, win) in [0, 1], or
     logits with `gates_are_logits`; cmp_params: {"cmp_k": {...}, "cmp_v": {...}} with
-    compress="mlp"; kernels: as from `dispatch.resolve_all` (default: all "sdpa").
+    compress="mlp"; kernels: as from `dispatch.resolve_all` (default: all "sdpa");
+    block_idx: int [B, T, G, n_sel] selection blocks to use instead of the selection's own
+    (ascending, -1 padded, as `select_blocks` returns them): the parity report forces both
+    frameworks onto one selection this way.
     -> o [B, T, H, d_v] (and, with return_aux, dict(o_cmp, o_sel, o_win, gates, block_idx,
     k_cmp, v_cmp)).
     """
@@ -116,7 +119,10 @@ def native_sparse_attention(q: torch.Tensor, k, v, gates: torch.Tensor, cfg: NSA
                          'compress="mlp"')
     k_cmp, v_cmp = compress_branch_kv(cmp_params or {}, k["cmp"], v["cmp"], cfg, kernels)
     o_cmp = kernels["compressed_attention"](q, k_cmp, v_cmp, cfg)
-    block_idx = kernels["select_blocks"](q, k_cmp, cfg)
+    if block_idx is None:
+        block_idx = kernels["select_blocks"](q, k_cmp, cfg)
+    else:
+        block_idx = check_block_idx(block_idx, q.shape[:2], k_cmp.shape[2], cfg).to(q.device)
     o_sel = kernels["selected_attention"](q, k["sel"], v["sel"], block_idx, cfg.sel_block)
     o_win = kernels["sliding_window_attention"](q, k["win"], v["win"], cfg.window)
     gates = torch.sigmoid(gates) if gates_are_logits else gates
@@ -125,6 +131,22 @@ def native_sparse_attention(q: torch.Tensor, k, v, gates: torch.Tensor, cfg: NSA
         return o
     return o, dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx,
                    k_cmp=k_cmp, v_cmp=v_cmp)
+
+
+def check_block_idx(block_idx, rows: tuple[int, int], n_kv_heads: int,
+                    cfg: NSAConfig) -> torch.Tensor:
+    """A given `block_idx` as int32 after a ValueError check of its shape and values; rows is
+    (B, T) of the queries."""
+    if not isinstance(block_idx, torch.Tensor) or block_idx.is_floating_point():
+        raise ValueError("block_idx must be an integer tensor [B, T, G, n_sel]")
+    expected = (*rows, n_kv_heads, cfg.n_sel)
+    if tuple(block_idx.shape) != expected:
+        raise ValueError(f"block_idx has shape {tuple(block_idx.shape)}, expected {expected} "
+                         f"[B, T, G, n_sel]")
+    if block_idx.numel() and int(block_idx.min()) < -1:
+        raise ValueError(f"block_idx holds {int(block_idx.min())}; entries are block indices "
+                         f"or -1 (none)")
+    return block_idx.to(torch.int32)
 
 
 def combine(params: Params, x: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor,
@@ -151,10 +173,12 @@ def output(params: Params, o: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
 
 
 def nsa_forward(params: Params, x: torch.Tensor, cfg: NSAConfig,
-                kernels: Optional[Mapping[str, Callable]] = None):
+                kernels: Optional[Mapping[str, Callable]] = None,
+                block_idx: Optional[torch.Tensor] = None):
     """One (unpacked) NSA problem: x [B, T, d_model] at positions 0..T-1.
 
-    kernels: {branch: function} as from `dispatch.resolve_all` (default: all "sdpa").
+    kernels: {branch: function} as from `dispatch.resolve_all` (default: all "sdpa");
+    block_idx: as in `native_sparse_attention` (None: the layer's own selection).
     Returns (y [B, T, d_model], aux, kv): aux holds o_cmp / o_sel / o_win [B, T, H, d_v],
     gates [B, T, H, 3] and block_idx int32 [B, T, G, n_sel]; kv holds what a decode cache needs
     (k, v dicts per branch [B, T, G, d] and k_cmp, v_cmp [B, C, G, d]).
@@ -162,7 +186,8 @@ def nsa_forward(params: Params, x: torch.Tensor, cfg: NSAConfig,
     positions = torch.arange(x.shape[1], device=x.device)
     q, k, v = project(params, x, cfg, positions)
     o, core = native_sparse_attention(q, k, v, gate_values(params, x, cfg), cfg,
-                                      cmp_params=params, kernels=kernels, return_aux=True)
+                                      cmp_params=params, kernels=kernels, block_idx=block_idx,
+                                      return_aux=True)
     aux = {key: core[key] for key in AUX_KEYS}
     kv = dict(k=k, v=v, k_cmp=core["k_cmp"], v_cmp=core["v_cmp"])
     return output(params, o, cfg), aux, kv
@@ -248,20 +273,24 @@ class NSAAttention(nn.Module):
         return check_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1], require_int32=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                return_aux: bool = False):
+                return_aux: bool = False, block_idx: Optional[torch.Tensor] = None):
         """x: [B, T, d_model] -> y [B, T, d_model] (and aux with return_aux).
 
         cu_seqlens: int32 [N + 1] with B = 1 packs N independent sequences (positions, blocks
         and windows restart at each start). aux: o_cmp, o_sel, o_win [B, T, H, d_v],
         gates [B, T, H, 3], block_idx int32 [B, T, G, n_sel].
+        block_idx: int [B, T, G, n_sel] selection blocks used instead of the layer's own
+        selection (the parity report's shared selection; local block indices per packed
+        sequence). Equal to the layer's own, it changes nothing.
         """
         bounds = self._check_inputs(x, cu_seqlens)
         params = self.param_tree()
         kernels = dispatch.resolve_all(self.backends)
         if bounds is None:
-            y, aux, _ = nsa_forward(params, x, self.cfg, kernels)
+            y, aux, _ = nsa_forward(params, x, self.cfg, kernels, block_idx)
         else:
-            parts = [nsa_forward(params, x[:, start:stop], self.cfg, kernels)[:2]
+            parts = [nsa_forward(params, x[:, start:stop], self.cfg, kernels,
+                                 None if block_idx is None else block_idx[:, start:stop])[:2]
                      for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
             y = torch.cat([part[0] for part in parts], dim=1)
             aux = {key: torch.cat([part[1][key] for part in parts], dim=1) for key in AUX_KEYS}

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_table(rows))
+    print(format_table(rows, settings))
     if args.json:
         with open(args.json, "w") as f:
             f.write(to_json(settings, rows))
