@@ -24,8 +24,8 @@ Per point (B, S):
 
 Timing (--timing): "loop" (default) runs --loop_steps steps per jitted call in a `lax.scan` that
 carries the cache, as a jitted generation loop does, and reports the call's time per step: the
-device's time. "dispatch" calls the jitted step once per step from Python (the method of R4-R13):
-at B 1 and 8 that measured the host's dispatch of ~30 arguments (0.15-0.45 ms, falling as S
+device's time. "dispatch" calls the jitted step once per step from Python:
+at B 1 and 8 that measures the host's dispatch of ~30 arguments (0.15-0.45 ms, falling as S
 grew), not the GPU. Both the NSA rows and the full-attention baselines use the same method.
 With "loop", a point runs (--warmup + --repeats) calls of --loop_steps steps; --iters is the
 calls per repeat of "dispatch" only.

@@ -799,7 +799,7 @@ def combine_runs(dirs: list[str], out: str, baseline: Optional[str] = None
                  ) -> tuple[str, str, str]:
     """One set of outputs (CSV, latest CSV, plot, summary) in `out` from several runs of this
     script, given their --out directories: for rows that need a call of their own on the same
-    machine (fla_parallel_nsa's autotuning, issue 12). Where runs measured the same (row, S,
+    machine (fla_parallel_nsa's autotuning). Where runs measured the same (row, S,
     pass), the first directory's record is kept. The runs must share the commit and the
     SHARED_FIELDS; anything else is a ValueError naming --combine."""
     if len(dirs) < 2:

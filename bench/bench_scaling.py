@@ -21,7 +21,7 @@ with a context axis) is "skipped" with the reason; an OOM is "oom".
 Memory: an OOM inside a multi-device program leaves its peers waiting in NCCL (the run hangs
 until its time limit), and a long run's allocator state can make a large point fail that fits
 alone: 1M tokens on 4 H200s failed in a long run and fit in a process of its own with
-`TF_GPU_ALLOCATOR=cuda_malloc_async` (bench/RESULTS.md, R58 / R59). `--isolate` runs each pass
+`TF_GPU_ALLOCATOR=cuda_malloc_async` (bench/RESULTS.md, the scaling section). `--isolate` runs each pass
 of each point in a fresh process and kills one that outlives `--point_timeout` (a "timeout"
 row); it costs a start-up and a compile per pass.
 

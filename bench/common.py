@@ -403,7 +403,7 @@ def git_commit() -> str:
     """The commit label: the COMMIT environment variable when set (the runner exports it), else
     `git rev-parse HEAD` with "-dirty" appended when tracked files differ from that commit, else
     "unknown". The device tool's copy of the tree can carry a `.git` whose HEAD is older than the
-    files that travelled (2026-11-25: benches there recorded the session's first commit), so a
+    files that travelled (2026-11-25: benches there recorded an earlier commit than the code that ran), so a
     label without "-dirty" is the code that ran, and one with it is not a commit at all."""
     if os.environ.get("COMMIT") and os.environ["COMMIT"] != "unknown":
         return os.environ["COMMIT"]

@@ -1,5 +1,5 @@
 """Compiled memory of the whole NSA layer (forward + backward) per backend, and a scan of the
-optimised HLO for any `[T, T/d]`-sized array (issue 6: no O(T^2/d) memory).
+optimised HLO for any `[T, T/d]`-sized array (the layer must hold no O(T^2/d) memory).
 
 Compiles only (`jax.jit(...).lower(...).compile().memory_analysis()`); nothing is timed. Writes
 memory_layer.csv and memory_layer_env.json to --out and prints a table.

@@ -225,8 +225,8 @@ VARIANTS = {
     # n_sel covering every block NSA is full attention with its own projections and gates.
     "sel_only": Variant("sel_only", gate_bias=(-4.0, 4.0, -4.0)),
     # The ranking learns only through the compressed branch's scores, and with sel_only's
-    # compressed gate near 0 they get almost no gradient (R48: layer 1's compressed-key gradient
-    # 2,500x below the selected keys'; the hit rate stayed at chance). Start the compressed
+    # compressed gate near 0 they get almost no gradient (a sel_only run measured layer 1's
+    # compressed-key gradient 2,500x below the selected keys'; the hit rate stayed at chance). Start the compressed
     # and selected gates at 0.98 and the window at 0.02; `cmp_sel_shared` also shares one K/V
     # projection, so the selected branch's gradient reaches the compressed keys too.
     "cmp_sel": Variant("cmp_sel", gate_bias=(4.0, 4.0, -4.0)),
@@ -576,7 +576,7 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
 def in_chunks(fn, arrays, chunk: int, **kwargs) -> dict:
     """`fn(*arrays, **kwargs)`, a dict of means over the batch rows, run `chunk` rows at a time
     and averaged by rows, so that the whole eval batch need not fit at once: full attention at
-    T 2048 holds about 0.25 GB of scores a row (an H100's 80 GB ran out at 256 rows, R69).
+    T 2048 holds about 0.25 GB of scores a row (an H100's 80 GB ran out at 256 rows).
     Every statistic of `evaluate` and `ablation_accuracy` is a mean over rows, so the result is
     the one-call result up to float rounding."""
     if chunk <= 0:
@@ -886,7 +886,7 @@ def plot(path: str, curves: dict, tasks: list, n_layers: int) -> None:
 # Command line
 # ---------------------------------------------------------------------------------------------
 PRESETS = {
-    # GPU: T 2048, the issue's model (d_model 256, H 8, G 2, d 32) with the paper's block ratios;
+    # GPU: T 2048, a small model (d_model 256, H 8, G 2, d 32) with the paper's block ratios;
     # MQAR with 32 pairs over 16 values, a curriculum (T 512 to step 400, 1024 to step 800, then
     # 2048), 1200 steps; sized for `--tasks mqar --models full,window,nsa --variants
     # default,sel_only` (4 runs) within --budget_s 280 on one H100 (RECALL_NOTES.md, section 0).

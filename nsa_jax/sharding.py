@@ -217,7 +217,7 @@ def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[d
     path and the Pallas kernel. With jax 0.11.2 on 2 H100s, XLA's compilation of the layer's
     *gradient* segfaults whenever cuDNN's kernel runs either branch inside a `shard_map` over
     several devices (data or model axis; bf16; the forward compiles, a one-device mesh works,
-    and so does cuDNN's attention alone in a `shard_map`): bench/RESULTS.md, issue 18."""
+    and so does cuDNN's attention alone in a `shard_map`): scripts/repro_cudnn_shard_map.py reproduces it."""
     if mesh.size == 1:
         return dict(options) if options else None
     options = dict(options or {})

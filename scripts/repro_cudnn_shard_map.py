@@ -1,4 +1,4 @@
-"""Reproducer (issue 18): XLA's compilation of the sharded layer's gradient segfaults on 2 GPUs
+"""Reproducer: XLA's compilation of the sharded layer's gradient segfaults on 2 GPUs
 when cuDNN's fused attention runs inside the `shard_map` (jax 0.11.2, 2 x H100, 2026-11-25).
 
 `nsa_jax.sharding.body_options` turns cuDNN off inside a multi-device `shard_map` because of
@@ -7,7 +7,7 @@ its case), and prints a line per case: `ok`, or the signal that ended it.
 
 Cases (bf16, B 2, T 2048, H 16, G 8, d 64; mesh of 2 devices unless said):
   layer_fwd         the layer's forward, data axis                     (compiles)
-  layer_grad        its gradient                                        (segfault, R29)
+  layer_grad        its gradient                                        (segfault)
   layer_grad_one    the same on a mesh of one device                    (compiles)
   layer_grad_nowin  cuDNN only on the compressed branch                 (segfault)
   layer_grad_nocmp  cuDNN only on the window branch                     (segfault)

@@ -68,9 +68,9 @@ SUMMARY_TSV="$ART/logs/.steps.tsv"
 : >"$SUMMARY_TSV"
 
 PREFILL_S=${PREFILL_S:-8k}
-# fla_parallel_nsa is not a default row: its Triton autotuning alone outlasts a row's 90 s share
-# (runs R5/R6 in bench/RESULTS.md); add it with PREFILL_ROWS=...,fla_parallel_nsa and a larger
-# RUNNER_BUDGET_S, or run bench/bench_prefill.py directly (R3).
+# fla_parallel_nsa is not a default row: its Triton autotuning alone outlasts a row's 90 s share;
+# add it with PREFILL_ROWS=...,fla_parallel_nsa and a larger RUNNER_BUDGET_S, or run
+# bench/bench_prefill.py directly.
 PREFILL_ROWS=${PREFILL_ROWS:-nsa_jax_pallas,nsa_jax_pallas_fla,nsa_torch,fa3_full,cudnn_full}
 PREFILL_ITERS=${PREFILL_ITERS:-5}
 DECODE_S=${DECODE_S:-16k}
@@ -167,7 +167,7 @@ correctness_step parity_fast 150 "$PY" -m parity --device gpu --dtype bfloat16 \
 # shellcheck disable=SC2086
 correctness_step pytest_gpu 300 "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider \
   --ignore=tests/gpu/test_gpu_sharding.py --junitxml="$ART/pytest_gpu.xml" ${PYTEST_ARGS:-}
-# A correctness check, not a timing (issue 12). fla's kernels run at their first Triton
+# A correctness check, not a timing (fla's row is timed by the prefill step). fla's kernels run at their first Triton
 # configuration: autotuning them (some 80 configurations, each compiled, per dtype) would take
 # minutes and changes no figure beyond rounding; FLA_AGREEMENT_ARGS="--fla_configs autotune"
 # runs them as shipped.

@@ -121,7 +121,7 @@ def _fake_prefill_run(path, commit, rows_ms, H="64"):
 
 
 def test_prefill_combine_runs(tmp_path, cpu_env, capsys):
-    """--combine merges runs of one machine (fla's row had its own call in issue 12): the first
+    """--combine merges runs of one machine (fla's row needs a call of its own): the first
     run's figure wins where both measured a row, speed-ups are against the merged baseline."""
     a = _fake_prefill_run(tmp_path / "a", "abc1234", {
         ("nsa_jax_pallas", 64, "fwd"): 2.0, ("nsa_jax_pallas", 64, "fwd_bwd"): 6.0,

@@ -288,8 +288,8 @@ def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
     # n_sel covers all 8 selection blocks of T 128 and the gates are fixed at (0, 1, 0)
     # (sigmoid(+-30)): the selected branch is causal attention over every token, so with the
     # full model's weights (`dense_init`) NSA's logits and the gradients of the shared
-    # parameters must be the full model's (issue 16: NSA's slower escape from the MQAR plateau
-    # is not a wrong layer).
+    # parameters must be the full model's: NSA's slower escape from the MQAR plateau is not a
+    # wrong layer.
     cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=8, d_v=8, cmp_block=8,
                     cmp_stride=4, sel_block=16, n_sel=8, window=16, rope_theta=10000.0)
     vocab = train_recall.Vocab(n_filler=16, n_keys=16, n_values=8)

@@ -168,7 +168,7 @@ def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
     `[B, N, S]` turned to `[B, S, N]`), padded otherwise; a call that wants the lse takes the
     private function either way (the public one casts the lse to q's dtype); back to the
     public call, with a warning, when the private one refuses its arguments. Float64 stand-ins
-    of both calls; the public one refuses d_v != d_k as jax 0.11.2's does (R63)."""
+    of both calls; the public one refuses d_v != d_k as jax 0.11.2's does."""
     calls = []
 
     def public(q, k, v, *, scale, is_causal, implementation, local_window_size=None,

@@ -118,7 +118,7 @@ def test_bench_scaling_weak_efficiency_per_tokens():
 def test_bench_scaling_keeps_the_forward_when_the_backward_runs_out_of_memory(tmp_path,
                                                                               monkeypatch):
     """A pass that runs out of memory is an `oom` row of its own: the forward's timing of the
-    same point stays (R58 lost a 1M forward to its backward's OOM)."""
+    same point stays (a 1M-token forward was once lost to its backward's OOM)."""
     from bench import bench_scaling, common
 
     real = bench_scaling._layer_step

@@ -14,7 +14,7 @@ FlashAttention-3 (`flash_attn3_jax`, optional, Hopper and later) takes the same 
 it is installed: `fa3_takes`, `fa3_window_attention`, `fa3_causal_attention` (the `fa3` option
 of `XlaOptions` and `PallasOptions`, on by default). On an H200 it ran the 64k window branch in
 2.81 / 12.32 ms (cuDNN 3.25 / 14.12) and the folded compressed branch in 8.10 / 29.34 ms
-(cuDNN 8.33 / 33.57), forward / forward+backward (bench/RESULTS.md, R45).
+(cuDNN 8.33 / 33.57), forward / forward+backward (bench/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 def _cudnn_private():
     """jax's own cuDNN attention below `jax.nn.dot_product_attention`: (function, MaskType),
     or None. The public call refuses `d_v != d_k` (jax 0.11.2: "value shape should be
-    [.., d_k]", bench/RESULTS.md R63) although this function and cuDNN take it. Private, so
+    [.., d_k]") although this function and cuDNN take it. Private, so
     every use falls back to the public call if it is missing or refuses its arguments."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo as private
@@ -128,7 +128,7 @@ def _fa3_ops():
         return None
 
 
-_FA3_MAX_HEAD_DIM = 128  # flash_attn3_jax 0.2.3's build: "head dimension at most 128" (R46)
+_FA3_MAX_HEAD_DIM = 128  # flash_attn3_jax 0.2.3's build: "head dimension at most 128"
 
 
 def fa3_takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

@@ -22,7 +22,7 @@ class XlaOptions:
     the queries folded in chunks of `d` (`nsa_jax.xla.cudnn`); its lse carries no gradient.
     `fa3`: where one of those two cuDNN paths would run and `flash_attn3_jax` is installed on a
     Hopper or later GPU, FlashAttention-3 runs it instead (the same result; faster on an H200,
-    bench/RESULTS.md R45). Nothing changes where the package is absent.
+    bench/RESULTS.md). Nothing changes where the package is absent.
     `cudnn_kernel`: cuDNN's own kernel may run those paths where FA-3 does not (off: only
     FA-3 runs them, else the chunked paths). `nsa_jax.sharding` turns it off inside a
     `shard_map` over several devices, where XLA's compile of cuDNN's gradient segfaults.

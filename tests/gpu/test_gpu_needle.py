@@ -1,4 +1,4 @@
-"""Needle in a haystack at 64k and 128k tokens, kernel level, both frameworks (issue 16).
+"""Needle in a haystack at 64k and 128k tokens, kernel level, both frameworks.
 
 Random q/k/v (paper sizes, bfloat16) with one planted selection block far from the end: its
 keys (for one KV group) point along a direction u, and the last queries of that group's heads

@@ -1,4 +1,4 @@
-"""GPU, several devices (issue 18): the sharded layer (`nsa_jax.sharding`, collectives through
+"""GPU, several devices: the sharded layer (`nsa_jax.sharding`, collectives through
 NCCL) against the same layer on one GPU: forward, aux and the gradients of every parameter and
 of x, float32 and bfloat16, on every mesh the visible GPUs allow (each axis alone from 2 GPUs,
 two axes combined from 4, all three from 8), XLA and Pallas paths, plus prefill + decode.
@@ -47,7 +47,7 @@ TOL_F32, TOL_F32_GRAD = 1e-5, 1e-4
 TOL_16 = 2e-2        # bf16 sharded against bf16 on one GPU (relative L2, whole tensor)
 NO_WORSE = 1.25      # bf16: sharded error against float32 <= 1.25 x the one-GPU error + BF16_U
 # One more bf16 rounding (its unit roundoff): a parameter's gradient summed over a data or
-# context axis is the psum of per-device bf16 partial sums, each rounded before the sum (R56:
+# context axis is the psum of per-device bf16 partial sums, each rounded before the sum (measured:
 # `bg` on 4 data shards, 0.0064 against the one-GPU 0.0037).
 BF16_U = 2.0 ** -8
 

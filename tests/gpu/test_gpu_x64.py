@@ -1,4 +1,4 @@
-"""GPU: `jax_enable_x64` on with the compiled kernels (docs/ROBUSTNESS.md; issue 14). The CPU
+"""GPU: `jax_enable_x64` on with the compiled kernels (docs/ROBUSTNESS.md). The CPU
 file `tests/test_robustness_x64.py` runs the same checks with the kernels in interpret mode;
 here the Pallas kernels, cuDNN's window and compressed paths are compiled for the GPU.
 
