@@ -1,0 +1,222 @@
+"""Block sizes per GPU architecture (`pallas_kernels.profiles`): how a profile is chosen, that
+sm90 keeps the tuned tiles, that every kernel runs its architecture's tiles correctly (interpret
+mode, against the references), that a shape without tiles falls through to XLA, and that the
+tiles of sm80 / sm89 fit their shared memory when compiled for them (`scripts/pallas_ptxas.py`)."""
+import csv
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nsa_common import NSAConfig
+from nsa_common.testing import rel_err
+from nsa_jax import dispatch, pallas_backend
+from pallas_kernels import decode, profiles
+from pallas_kernels.compressed_attention import (FLOAT32_BLOCK_SIZES, compressed_attention,
+                                                 compressed_attention_reference)
+from pallas_kernels.compressed_attention import BlockSizes as CompressedBlockSizes
+from pallas_kernels.select_blocks import BlockSizes as SelectBlockSizes
+from pallas_kernels.select_blocks import select_blocks, select_blocks_reference
+from pallas_kernels.selected_attention import BlockSizes as SelectedBlockSizes
+from pallas_kernels.selected_attention import (random_block_idx, selected_attention,
+                                               selected_attention_reference)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pallas_ptxas.py")
+BF16_TOL = 2e-2   # bfloat16 inputs against the float32 reference, outputs and gradients
+
+
+# ----------------------------------------------------------------------------------------------
+# Choosing a profile
+
+
+def test_cpu_takes_sm90_and_the_environment_wins(monkeypatch):
+    monkeypatch.delenv("NSA_PROFILE", raising=False)
+    assert profiles.resolve()[0] == "sm90"          # no GPU here: interpret mode, sm90's tiles
+    monkeypatch.setenv("NSA_PROFILE", "base")       # the PyTorch name for "the device decides"
+    assert profiles.resolve()[0] == "sm90"
+    for name in ("sm80", "sm86", "sm89", "sm90"):
+        monkeypatch.setenv("NSA_PROFILE", name)
+        assert profiles.resolve() == (name, f"NSA_PROFILE={name} (env)")
+        assert profiles.current().name == name
+    monkeypatch.setenv("NSA_PROFILE", "sm00")
+    with pytest.raises(ValueError, match=r"NSA_PROFILE \('sm00'\) must be one of"):
+        profiles.current()
+
+
+@pytest.mark.parametrize("capability, name", [
+    ("8.0", "sm80"), ("8.6", "sm86"), ("8.7", "sm86"), ("8.9", "sm89"), ("9.0", "sm90"),
+    ("10.0", "sm90"), ("12.0", "sm89"), ((7, 5), "sm86")])
+def test_compute_capability_picks_the_profile(capability, name):
+    assert profiles.profile_for_capability(capability) == name
+
+
+def test_shared_memory_and_hopper_only_paths():
+    limits = {name: p.shared_memory for name, p in profiles.PROFILES.items()}
+    assert limits == {"sm80": 166_912, "sm86": 101_376, "sm89": 101_376, "sm90": 232_448}
+    # FlashAttention-3 and cuDNN's wide heads are Hopper's only.
+    assert [name for name, p in profiles.PROFILES.items() if p.fa3] == ["sm90"]
+    assert {p.cudnn_max_head_dim for name, p in profiles.PROFILES.items() if name != "sm90"} == {
+        128}
+
+
+def test_sm90_keeps_the_tuned_tiles():
+    sm90 = profiles.PROFILES["sm90"]
+    for d_k, d_v in ((128, 128), (192, 128), (256, 256), (512, 512)):
+        assert sm90.block_sizes("compressed", jnp.bfloat16, d_k, d_v) == CompressedBlockSizes()
+        assert sm90.block_sizes("compressed", jnp.float32, d_k, d_v) == FLOAT32_BLOCK_SIZES
+        assert sm90.block_sizes("select", jnp.bfloat16, d_k) == SelectBlockSizes()
+        assert sm90.block_sizes("selected", jnp.float16, d_k, d_v) == SelectedBlockSizes()
+        assert sm90.block_sizes("decode", jnp.bfloat16, d_k, d_v) == decode.DecodeBlockSizes()
+
+
+@pytest.mark.parametrize("name", ["sm80", "sm86", "sm89"])
+def test_tiers_serve_heads_up_to_256_and_decline_wider(name):
+    profile = profiles.PROFILES[name]
+    for kernel in profiles.KERNELS:
+        narrow = profile.block_sizes(kernel, jnp.bfloat16, 64, 64)
+        wide = profile.block_sizes(kernel, jnp.bfloat16, 192, 128)
+        assert profile.block_sizes(kernel, jnp.bfloat16, 256, 256) == wide
+        assert profile.block_sizes(kernel, jnp.bfloat16, 128, 256) == wide   # the wider head
+        assert profile.block_sizes(kernel, jnp.bfloat16, 128, 128) == narrow
+        with pytest.raises(NotImplementedError, match=f"no {name} tiles for head dims"):
+            profile.block_sizes(kernel, jnp.bfloat16, 320, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tiles of each architecture run correctly (interpret mode)
+
+CFG = NSAConfig(d_model=64, n_heads=4, n_kv_heads=2, cmp_block=8, cmp_stride=4, sel_block=16,
+                n_sel=4, n_init=1, n_local=2, window=16)
+
+
+def _normal(rng, *shape, dtype=jnp.bfloat16):
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("profile", ["sm89", "sm90"])
+@pytest.mark.parametrize("d_k, d_v", [(64, 32), (192, 128)])
+def test_kernels_run_the_profile_tiles(monkeypatch, profile, d_k, d_v):
+    """Default tiles (block_sizes=None) of `profile` against the references: compressed
+    attention and its gradients, the selection, selected attention and its gradients."""
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    rng = np.random.default_rng(0)
+    B, T, H, G, l, d = 1, 70, CFG.n_heads, CFG.n_kv_heads, CFG.cmp_block, CFG.cmp_stride
+    C = (T - l) // d + 1
+    q = _normal(rng, B, T, H, d_k)
+    k_cmp, v_cmp = _normal(rng, B, C, G, d_k), _normal(rng, B, C, G, d_v)
+    geometry = dict(cmp_block=l, cmp_stride=d)
+
+    def compressed_loss(fn, *args, **kw):
+        o, lse = fn(*args, **geometry, **kw)
+        return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse),
+                                                                       lse, 0.0))
+
+    kernel_grad = jax.grad(lambda *a: compressed_loss(compressed_attention, *a, interpret=True),
+                           argnums=(0, 1, 2))(q, k_cmp, v_cmp)
+    f32 = [x.astype(jnp.float32) for x in (q, k_cmp, v_cmp)]
+    ref_grad = jax.grad(lambda *a: compressed_loss(compressed_attention_reference, *a),
+                        argnums=(0, 1, 2))(*f32)
+    for got, want in zip(kernel_grad, ref_grad):
+        assert rel_err(got, want) <= BF16_TOL
+
+    _, lse = compressed_attention_reference(*f32, **geometry)
+    selection = dict(geometry, sel_block=CFG.sel_block, n_sel=CFG.n_sel, n_init=CFG.n_init,
+                     n_local=CFG.n_local)
+    block_idx = select_blocks(*f32[:2], lse, **selection, interpret=True)
+    want_idx = select_blocks_reference(*f32[:2], lse, **selection)
+    assert float(jnp.mean(block_idx == want_idx)) >= 0.99   # near-ties may flip
+
+    k, v = _normal(rng, B, T, G, d_k), _normal(rng, B, T, G, d_v)
+    idx = random_block_idx(jax.random.PRNGKey(1), B, T, G, CFG.n_sel, CFG.sel_block)
+
+    def selected_loss(fn, q, k, v, **kw):
+        return jnp.sum(fn(q, k, v, idx, CFG.sel_block, **kw).astype(jnp.float32) ** 2)
+
+    got = jax.grad(lambda *a: selected_loss(selected_attention, *a, interpret=True),
+                   argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: selected_loss(selected_attention_reference, *a),
+                    argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= BF16_TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# A shape without tiles falls through to XLA
+
+
+def test_heads_without_tiles_fall_through_to_xla(monkeypatch):
+    monkeypatch.setenv("NSA_PROFILE", "sm89")
+    rng = np.random.default_rng(2)
+    cfg = CFG.replace(d_k=320, d_v=320)
+    q = _normal(rng, 1, 40, 4, 320, dtype=jnp.float32)
+    k_cmp = _normal(rng, 1, 9, 2, 320, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="no sm89 tiles"):
+        compressed_attention(q, k_cmp, k_cmp, cmp_block=8, cmp_stride=4, interpret=True)
+    o = dispatch.call("compressed_attention", "pallas", q, k_cmp, k_cmp, cfg, scale=0.1,
+                      return_lse=False)
+    want = dispatch.call("compressed_attention", "xla", q, k_cmp, k_cmp, cfg, scale=0.1,
+                         return_lse=False)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
+    # The Pallas backend declines (the reason dispatch reports), and "pallas" runs XLA there.
+    with pytest.raises(NotImplementedError, match="select kernel has no sm89 tiles"):
+        pallas_backend.select_blocks(q, k_cmp, cfg, scale=0.1,
+                                     lse=jnp.zeros(q.shape[:3], jnp.float32))
+    monkeypatch.setenv("NSA_PROFILE", "sm90")   # sm90 serves every width, as before
+    assert compressed_attention(q, k_cmp, k_cmp, cmp_block=8, cmp_stride=4,
+                                interpret=True)[0].shape == (1, 40, 4, 320)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled for sm80 / sm89: shared memory within the limit, spills small
+
+_ROWS = {}
+
+
+def _compile(kernels: str, archs: str, heads: str, tmp_path) -> list[dict]:
+    path = tmp_path / "rows.csv"
+    proc = subprocess.run([sys.executable, SCRIPT, kernels, "--arch", archs, "--heads", heads,
+                           "--S", "1024", "--csv", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return list(csv.DictReader(open(path)))
+
+
+def _check(rows, expected_kernels: int):
+    assert len(rows) >= expected_kernels
+    for row in rows:
+        label = f"{row['arch']} d_k {row['d_k']} d_v {row['d_v']} {row['kernel']}"
+        assert row["status"] == "ok", label
+        assert int(row["shared_bytes"]) <= int(row["shared_limit"]), label
+        assert row["fits"] == "True", label
+        # Every kernel stays within a few hundred bytes of spill stores on these tiles.
+        assert int(row["spill_stores"]) <= 256, (label, row["spill_stores"])
+
+
+def _needs_triton():
+    pytest.importorskip("triton")
+
+
+def test_paper_heads_fit_sm89(tmp_path):
+    """The kernels that overflowed or spilled on sm89 with sm90's tiles, at the paper's heads:
+    compressed attention (forward over 101,376 B, dq 163,840 B, dk/dv 8.5 KB of spills) and
+    selected attention (dk/dv spills)."""
+    _needs_triton()
+    rows = _compile("compressed", "sm89", "192/128", tmp_path)
+    _check(rows, 3)
+    assert {r["kernel"] for r in rows} == {"nsa_compressed_attention_fwd",
+                                           "nsa_compressed_attention_dq",
+                                           "nsa_compressed_attention_dkv"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm80", "sm89"])
+def test_every_kernel_fits(arch, tmp_path):
+    """Every kernel (prefill, backward, decode) at d_k 128, 192, 256 and d_k != d_v."""
+    _needs_triton()
+    rows = _compile("all", arch, "128/128,192/128,256/256,128/256", tmp_path)
+    _check(rows, 4 * 17)
