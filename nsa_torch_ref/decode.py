@@ -27,7 +27,7 @@ from nsa_common import (NSAConfig, completed_cmp_block, completes_cmp_block, dec
 from nsa_torch_ref import dispatch
 from nsa_torch_ref.module import (NSAAttention, check_block_idx, combine, compress_branch_kv,
                                   nsa_forward, project)
-from nsa_torch_ref.reference import (_compressed_rows, _resolve_scale, _select_rows,
+from nsa_torch_ref.reference import (_acc_dtype, _compressed_rows, _resolve_scale, _select_rows,
                                      _selected_rows, _window_rows)
 
 
@@ -229,8 +229,9 @@ def _step_row(cfg: NSAConfig, params, x_t: torch.Tensor, cache: NSACache, b: int
         block_idx = _select_rows(p_cmp, q_pos, cfg, num_sel_blocks(cfg, t + 1))
     else:
         block_idx = block_idx.to(device=device, dtype=torch.int32)
-    o_sel = _selected_rows(q, cache.k_sel[row, :t + 1], cache.v_sel[row, :t + 1], block_idx,
-                           cfg.sel_block, q_pos, scale)
+    acc = _acc_dtype(q.dtype)
+    o_sel = _selected_rows(q, cache.k_sel[row, :t + 1].to(acc), cache.v_sel[row, :t + 1].to(acc),
+                           block_idx, cfg.sel_block, q_pos, scale)
     n_win = min(cfg.window, t + 1)
     slot = torch.arange(n_win, device=device)
     slot_pos = t - (t - slot) % cfg.window  # the position held by each ring slot

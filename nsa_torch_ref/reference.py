@@ -355,8 +355,10 @@ def _selected_rows(q, k, v, block_idx, block_size: int, q_pos, scale: float) -> 
     valid = valid.flatten(3)
     batch = torch.arange(B, device=q.device)[:, None, None, None]
     group = torch.arange(G, device=q.device)[None, None, :, None]
-    k_sel, k_bad = _split_finite(k[batch, token, group].to(acc))  # [B, Tq, G, n*block_size, dk]
-    v_sel, v_bad = _split_finite(v[batch, token, group].to(acc))
+    # k, v arrive in the accumulation dtype (see selected_attention): gathered there, their
+    # gradients are scattered back in float32, not summed in bfloat16.
+    k_sel, k_bad = _split_finite(k[batch, token, group])  # [B, Tq, G, n*block_size, dk]
+    v_sel, v_bad = _split_finite(v[batch, token, group])
     q_safe, q_bad = _split_finite(_group(q, G, acc))
     scores = torch.einsum("bqghd,bqgsd->bqghs", q_safe, k_sel) * scale
     probs, _ = _masked_softmax(scores, valid[:, :, :, None, :])
@@ -390,8 +392,10 @@ def selected_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     positions = torch.arange(T, device=q.device)
     n_keys = block_idx.shape[3] * block_size  # gathered keys per query and group
     per_query = B * (G * n_keys * (d_k + v.shape[3]) + H * n_keys)
-    outs = [_chunk(_selected_rows, q[:, start:stop], k, v, block_idx[:, start:stop], block_size,
-                   positions[start:stop], scale)
+    acc = _acc_dtype(q.dtype)
+    k_acc, v_acc = k.to(acc), v.to(acc)
+    outs = [_chunk(_selected_rows, q[:, start:stop], k_acc, v_acc, block_idx[:, start:stop],
+                   block_size, positions[start:stop], scale)
             for start, stop in _query_chunks(T, per_query)]
     return torch.cat(outs, dim=1).to(q.dtype)
 

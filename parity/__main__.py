@@ -5,6 +5,8 @@ import argparse
 import os
 import sys
 
+from parity.bugs import BUGS
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -27,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--perturb", metavar="PARAM",
                         help="self-test: scale one JAX-side weight by 1.01 (e.g. wk.win); the "
                              "rows it feeds must FAIL")
+    parser.add_argument("--perturb-scale", type=float, default=1.01, metavar="FACTOR",
+                        help="the factor of --perturb (default 1.01)")
+    parser.add_argument("--plant", metavar="BUG", choices=sorted(BUGS),
+                        help="self-test: plant a bug in the JAX layer (the report must FAIL): "
+                             + "; ".join(f"{k}: {v}" for k, v in BUGS.items()))
     return parser
 
 
@@ -55,7 +62,8 @@ def main(argv=None) -> int:
         settings = ParitySettings(cfg=cfg, batch=args.B, seq_len=args.T, dtype=args.dtype,
                                   seed=args.seed, device=args.device,
                                   jax_backend=args.jax_backend, torch_backend=args.torch_backend,
-                                  decode_steps=args.decode_steps, perturb=args.perturb)
+                                  decode_steps=args.decode_steps, perturb=args.perturb,
+                                  perturb_scale=args.perturb_scale, plant=args.plant)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ What is compared, and how (docs/NSA_SPEC.md, "Tolerances"):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -35,6 +36,7 @@ from nsa_jax.layer import project as jax_project
 from nsa_torch_ref.module import compress_branch_kv as torch_compress
 from nsa_torch_ref.module import flatten_params
 from nsa_torch_ref.module import project as torch_project
+from parity.bugs import BUGS, planted
 from parity.compare import MULTIPLE, Judged, as_float64, judge
 from parity.convert import jax_to_torch, module_to_params, torch_to_jax
 from parity.selection import MARGIN_FACTOR, Importance, SelectionVerdict, classify, importance
@@ -42,6 +44,7 @@ from parity.selection import MARGIN_FACTOR, Importance, SelectionVerdict, classi
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JAX_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 FORWARD = ("o_cmp", "o_sel", "o_win", "gates", "y")
+BIAS_STD = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +74,15 @@ class ParitySettings:
     decode_steps: int = 4
     perturb: Optional[str] = None  # self-test: scale one JAX-side weight so rows must FAIL
     perturb_scale: float = 1.01
+    plant: Optional[str] = None  # self-test: a bug of parity.bugs.BUGS planted in JAX's layer
 
     def __post_init__(self):
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"dtype ({self.dtype!r}) must be one of {sorted(TORCH_DTYPES)}")
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"device ({self.device!r}) must be 'cpu' or 'gpu'")
+        if self.plant is not None and self.plant not in BUGS:
+            raise ValueError(f"plant ({self.plant!r}) must be one of {sorted(BUGS)}")
         if self.seq_len < 1 or self.batch < 1 or self.decode_steps < 0:
             raise ValueError("seq_len and batch must be >= 1 and decode_steps >= 0")
 
@@ -130,6 +136,12 @@ class _Runner:
         dtype = TORCH_DTYPES[s.dtype]
         torch.manual_seed(s.seed)
         self.module = nsa_torch_ref.NSAAttention(cfg, backends=_torch_backends(s.torch_backend))
+        with torch.no_grad():
+            # The layer starts its biases at zero; drawn here, the report exercises them too
+            # (a bias the port drops or applies twice must show).
+            for name, p in self.module.named_parameters():
+                if name.rpartition(".")[2].startswith("b"):
+                    p.normal_(0.0, BIAS_STD)
         self.module.to(device=self.torch_device, dtype=dtype)
         # The plain implementation (SDPA path) and the float64 reference hold the same weights,
         # the latter as the float64 values of the dtype-rounded ones.
@@ -286,6 +298,16 @@ class _Runner:
             out[name] = judge(name, jax_b[name], torch_b[name], plain_b[name], ref, s.dtype,
                               scale=scale * np.sqrt(ref.numel()))
         return out
+
+    def jax_rows(self) -> list[Row]:
+        """The rows that move with the JAX side alone (its own selection, and both frameworks on
+        the shared selection), the PyTorch runs reused: for judging a perturbed or planted JAX
+        layer against one reference."""
+        T = self.s.seq_len
+        verdict = self.verdict(self.run_jax(None, gradients=False)["block_idx"], slice(0, T))
+        rows = [Row("selection", "prefill block_idx: wrong rows", verdict.wrong, float("nan"),
+                    float("nan"), 0.0, verdict.passed, verdict.describe())]
+        return rows + [_judged_row("shared", j) for j in self.shared_judgements().values()]
 
     def layer_rows(self) -> list[Row]:
         s = self.s
@@ -549,6 +571,11 @@ class _Runner:
 
 
 def run_report(settings: ParitySettings, progress: bool = True) -> list[Row]:
+    with planted(settings.plant) if settings.plant else contextlib.nullcontext():
+        return _run_report(settings, progress)
+
+
+def _run_report(settings: ParitySettings, progress: bool) -> list[Row]:
     start = time.perf_counter()
     runner = _Runner(settings)
     if progress:

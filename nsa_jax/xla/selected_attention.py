@@ -36,7 +36,10 @@ def selected_chunk(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Arra
     valid = (block_idx[..., None] >= 0) & (local <= q_pos[:, :, None, None, None])
     token = jnp.clip(q_start[:, :, None, None, None] + local, 0, k.shape[1] - 1)
     token, valid = token.reshape(B, Q, G, n * block_size), valid.reshape(B, Q, G, n * block_size)
-    k_sel, v_sel = gather_tokens(k, token), gather_tokens(v, token)       # [B, Q, G, K, D]
+    # Gathered in the compute dtype: the gather's transpose then sums each token's gradient
+    # over the queries that selected it in float32, not in bfloat16.
+    k_sel = gather_tokens(k.astype(dtype), token)                         # [B, Q, G, K, D]
+    v_sel = gather_tokens(v.astype(dtype), token)
     scores = einsum("bqghd,bqgkd->bqghk", split_heads(q, G), k_sel, dtype) * scale
     p, _ = masked_softmax(scores, valid[:, :, :, None, :])
     return merge_heads(einsum("bqghk,bqgkd->bqghd", p, v_sel, dtype)).astype(q.dtype)
