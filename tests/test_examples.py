@@ -81,29 +81,47 @@ def test_gate_bias_variant_sets_the_sel_gate():
     assert train_recall.VARIANTS["sel_only"].gate_bias == (-4.0, 4.0, -4.0)
 
 
-@pytest.mark.parametrize("task", [train_recall.Task("needle", 1, 1),
-                                  train_recall.Task("mqar", n_pairs=3, n_queries=3)])
+CHUNK_TASKS = [train_recall.Task("needle", 1, 1), train_recall.Task("mqar", n_pairs=3, n_queries=3)]
+
+
+def _chunked_eval_case(task):
+    """A one-layer model and a 3-row eval batch (chunks of 2 rows leave an uneven last chunk of
+    one): -> (model config, params, [tokens, answers, key_pos])."""
+    cfg = NSAConfig.tiny(window=32)
+    mc = train_recall.ModelConfig("nsa", cfg, vocab_size=train_recall.Vocab().size, n_layers=1)
+    params = train_recall.init_model(jax.random.PRNGKey(1), mc, train_recall.VARIANTS["default"])
+    batch = train_recall.make_batch(np.random.default_rng(0), task, train_recall.Vocab(), 3, 160,
+                                    cfg)
+    return mc, params, [jnp.asarray(batch[k]) for k in ("tokens", "answers", "key_pos")]
+
+
+def _assert_chunks_match(fn, reference, params, arrays, *, mc, task):
+    chunked = train_recall.in_chunks(functools.partial(fn, params, mc=mc, task=task), arrays, 2)
+    assert chunked.keys() == reference.keys()
+    for k in reference:
+        assert chunked[k] == pytest.approx(reference[k], rel=RTOL, abs=RTOL), k
+
+
+@pytest.mark.parametrize("task", CHUNK_TASKS)
 def test_eval_in_chunks_equals_one_call(task):
     """The eval batch in chunks (--eval_chunk; an H100 ran out of memory on 256 rows at once)
-    gives the one-call statistics, an uneven last chunk included; the ablation too."""
-    cfg = NSAConfig.tiny(window=32)
-    mc = train_recall.ModelConfig("nsa", cfg, vocab_size=train_recall.Vocab().size, n_layers=2)
-    params = train_recall.init_model(jax.random.PRNGKey(1), mc, train_recall.VARIANTS["default"])
-    batch = train_recall.make_batch(np.random.default_rng(0), task, train_recall.Vocab(), 7, 160,
-                                    cfg)
-    arrays = [jnp.asarray(batch[k]) for k in ("tokens", "answers", "key_pos")]
+    gives the one-call statistics, an uneven last chunk included."""
+    mc, params, arrays = _chunked_eval_case(task)
     whole = {k: float(v) for k, v in
              train_recall.evaluate(params, *arrays, mc=mc, task=task).items()}
-    for fn, reference in ((train_recall.evaluate, whole),
-                          (train_recall.ablation_accuracy,
-                           train_recall.ablation_accuracy(params, *arrays, mc=mc, task=task))):
-        chunked = train_recall.in_chunks(functools.partial(fn, params, mc=mc, task=task),
-                                         arrays, 3)
-        assert chunked.keys() == reference.keys()
-        for k in reference:
-            assert chunked[k] == pytest.approx(reference[k], rel=RTOL, abs=RTOL), k
+    _assert_chunks_match(train_recall.evaluate, whole, params, arrays, mc=mc, task=task)
     with pytest.raises(ValueError, match="eval_chunk"):
         train_recall.in_chunks(train_recall.evaluate, arrays, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", CHUNK_TASKS)
+def test_ablation_in_chunks_equals_one_call(task):
+    """The same for `ablation_accuracy`. Slow: each ablation registers its backend again, which
+    recompiles the layer (six ablations per call, three calls)."""
+    mc, params, arrays = _chunked_eval_case(task)
+    whole = train_recall.ablation_accuracy(params, *arrays, mc=mc, task=task)
+    _assert_chunks_match(train_recall.ablation_accuracy, whole, params, arrays, mc=mc, task=task)
 
 
 def _tiny_mqar(attention: str, cfg: NSAConfig, *, n_pairs: int, batch: int, seed: int):

@@ -17,15 +17,26 @@ from nsa_jax import sharding
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_eight_device_cases():
+def run_eight_device_cases(marker: str) -> None:
+    """test_sharding_mesh.py's tests selected by `-m marker`, in a subprocess with 8 fake CPU
+    devices: all pass, none skips."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                           os.path.join(HERE, "test_sharding_mesh.py")],
+                           "-m", marker, os.path.join(HERE, "test_sharding_mesh.py")],
                           cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
+def test_eight_device_cases():
+    run_eight_device_cases("not slow")
+
+
+@pytest.mark.slow
+def test_eight_device_slow_cases():
+    run_eight_device_cases("slow")
 
 
 @pytest.mark.parametrize("cfg", [NSAConfig.tiny(), NSAConfig.tiny(shared_kv=True, compress="mean")])

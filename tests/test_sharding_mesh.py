@@ -3,7 +3,10 @@ their shardings, prefill + decode) over data, model and context axes alone and c
 Pallas path in interpret mode, and the errors of a mesh that does not fit.
 
 Needs `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts: `test_sharding.py`
-runs this module in such a subprocess; in the ordinary one-device run it skips.
+runs this module in such a subprocess (the tests marked slow in a second one, as the suite's slow
+run); in the ordinary one-device run it skips. The default run keeps the three axes combined, the
+halo-free context split, packed sequences and the errors; each axis alone, the Pallas and FA-3
+paths, decode and the scripts are the slow ones.
 """
 import re
 
@@ -55,7 +58,9 @@ def assert_sharded_like(tree, specs, mesh):
             leaf.sharding, spec)
 
 
-@pytest.mark.parametrize("sizes", [dict(data=2), dict(model=2), dict(context=4),
+@pytest.mark.parametrize("sizes", [pytest.param(dict(data=2), marks=pytest.mark.slow),
+                                   pytest.param(dict(model=2), marks=pytest.mark.slow),
+                                   pytest.param(dict(context=4), marks=pytest.mark.slow),
                                    dict(data=2, model=2, context=2)],
                          ids=["data", "model", "context", "data_model_context"])
 def test_layer_matches_unsharded(x64, reference, sizes):
@@ -73,6 +78,7 @@ def test_layer_matches_unsharded(x64, reference, sizes):
     assert_sharded_like([y, grads[1]], [sharding.input_spec(axes)] * 2, mesh)
 
 
+@pytest.mark.slow
 def test_pallas_layer_matches_unsharded():
     """Pallas compressed attention, selection and selected attention (interpret mode) inside
     shard_map over data x model, forward and gradients, against the unsharded XLA layer."""
@@ -90,6 +96,7 @@ def test_pallas_layer_matches_unsharded():
     assert_sharded_like(grads[0], sharding.param_specs(CFG, axes), mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_decode_matches_unsharded(backend):
     """Prefill 36 tokens, then 3 steps (one emits a compressed block) over data x model, on
@@ -135,6 +142,7 @@ def test_cudnn_kernel_off_inside_a_multi_device_shard_map():
     assert sharding.body_options(given, one) == given
 
 
+@pytest.mark.slow
 def test_fa3_runs_inside_a_multi_device_shard_map(x64, reference, monkeypatch):
     """Inside a `shard_map` over data x model, both fused branches run on FA-3 (float64
     stand-ins, the fused gate opened on the CPU) and cuDNN's own kernel never: output, aux and
@@ -165,6 +173,7 @@ def test_fa3_runs_inside_a_multi_device_shard_map(x64, reference, monkeypatch):
     assert_grads_match(grads, grads_ref)
 
 
+@pytest.mark.slow
 def test_cudnn_repro_script(capsys):
     """scripts/repro_cudnn_shard_map.py: a case compiles and runs here (no cuDNN on a CPU), the
     bypass of body_options is undone, and an unknown case is refused by name."""
@@ -240,6 +249,7 @@ def test_bad_axes_and_backend():
                                        cu_seqlens=jnp.array([0, 10, T], jnp.int32))
 
 
+@pytest.mark.slow
 def test_bench_scaling_smoke(tmp_path, monkeypatch):
     """bench/bench_scaling.py at tiny sizes: every row ok, efficiency against the first mesh, and
     the weak rows (same shapes as the strong ones here: no context axis) not timed again."""
