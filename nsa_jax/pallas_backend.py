@@ -149,8 +149,9 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
     options = options or DEFAULT_OPTIONS
-    blocks = options.decode_blocks or profiles.block_sizes(
-        "decode", buffers[0].dtype, *(buffer.shape[-1] for buffer in buffers))
+    widest = max(buffer.shape[-1] for buffer in buffers)
+    blocks = options.decode_blocks or profiles.block_sizes("decode", buffers[0].dtype, widest,
+                                                           widest)
     if not blocks.append_kernel:
         raise NotImplementedError("decode_blocks.append_kernel is off")
     if packed is not None and blocks.append_packed:

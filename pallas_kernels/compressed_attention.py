@@ -459,8 +459,10 @@ def _compressed_lse_jit(q, k_cmp, cmp_block, cmp_stride, scale, block_sizes, int
                     lse_only=True)
 
 
-def _default_block_sizes(q, block_sizes: Optional[BlockSizes], d_v: int) -> BlockSizes:
-    """`block_sizes`, or the tiles of this GPU architecture, dtype and head dims (float32
+def _default_block_sizes(q, block_sizes: Optional[BlockSizes],
+                         d_v: Optional[int]) -> BlockSizes:
+    """`block_sizes`, or the tiles of this GPU architecture, dtype and head dims (d_v None: the
+    lse-only forward, which reads no values; float32
     operands take twice the shared memory of 16-bit ones: smaller key tiles, no software
     pipelining). NotImplementedError where the architecture has no tiles for the heads."""
     if block_sizes is None:
@@ -482,7 +484,7 @@ def compressed_lse(q, k_cmp, *, cmp_block: int, cmp_stride: int, scale: Optional
     scale = check_inputs(q, k_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale)
     if implementation == "triton":
         check_kernel_dtype("compressed_attention", q.dtype)
-        block_sizes = _default_block_sizes(q, block_sizes, q.shape[3])
+        block_sizes = _default_block_sizes(q, block_sizes, None)
     B, T, H, _ = q.shape
     if k_cmp.shape[1] == 0 or B == 0:
         return jnp.full((B, T, H), -jnp.inf, jnp.float32)

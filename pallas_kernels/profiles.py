@@ -10,9 +10,10 @@ mean the device's own capability; a CPU (interpret mode) takes sm90's tiles, so 
 the tiles an H100 runs. Forcing a profile makes every choice of that architecture on any GPU
 (`NSA_PROFILE=sm89` on an H100 runs what an RTX 4090 runs, FlashAttention-3 off included).
 
-Each architecture's entry lists, per kernel, tiers `(widest head dim, block sizes)`: the first
-tier whose width holds the call's widest head dim (`d_k` or `d_v`, padded as the kernel pads it)
-serves it. A call wider than every tier of its architecture raises `NotImplementedError`, which
+Each architecture's entry lists, per kernel, tiers `(head width, block sizes)`: the first tier
+whose width holds the call's head width, `d_k + d_v` with each padded to a power of two (the
+selection has no values: `2 * d_k`), serves it; 512 holds every head up to d_k = d_v = 256. A call wider than every tier of its
+architecture raises `NotImplementedError`, which
 `nsa_jax.dispatch` reads as "this backend declines" and falls through to the next backend (XLA):
 no kernel is ever launched with tiles over the device's shared memory.
 
@@ -59,12 +60,14 @@ class ArchProfile:
     cudnn_max_head_dim: int
     tiers: dict = dataclasses.field(compare=False, hash=False)
 
-    def block_sizes(self, kernel: str, dtype, *head_dims: int):
-        """The block sizes of `kernel` for inputs of `dtype` with these head dims; raises
-        NotImplementedError where no tier of this architecture is wide enough."""
+    def block_sizes(self, kernel: str, dtype, d_k: int, d_v: Optional[int] = None):
+        """The block sizes of `kernel` for inputs of `dtype` with these head dims (`d_v` None:
+        the kernel reads no values); raises NotImplementedError where no tier of this
+        architecture is wide enough."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
-        width = max(matmul_dim(d) for d in head_dims)
+        head_dims = (d_k,) if d_v is None else (d_k, d_v)
+        width = matmul_dim(d_k) + matmul_dim(d_k if d_v is None else d_v)
         by_dtype = self.tiers[kernel]
         tiers = by_dtype.get(_dtype_class(dtype)) or by_dtype["16bit"]
         for widest, sizes in tiers:
@@ -72,8 +75,8 @@ class ArchProfile:
                 return sizes
         raise NotImplementedError(
             f"the Pallas {kernel} kernel has no {self.name} tiles for head dims {head_dims} "
-            f"(at most {tiers[-1][0]} on {self.name}, {self.shared_memory:,} B of shared memory "
-            f"per block)")
+            f"(d_k + d_v at most {tiers[-1][0]} on {self.name}, {self.shared_memory:,} B of "
+            f"shared memory per block)")
 
 
 def _dtype_class(dtype) -> str:
@@ -86,9 +89,12 @@ def _dtype_class(dtype) -> str:
 # Any head width: sm90 keeps the kernels' behaviour at every width.
 _ANY = 1 << 30
 
-# sm90: the tiles the kernels were tuned with on an H100 / H200, unchanged.
+# sm90: the tiles the kernels were tuned with on an H100 / H200, unchanged, except for the one
+# kernel those overflow: the compressed dq kernel at d_k = d_v = 256 (262,144 B), which takes
+# half the query rows there (196,608 B, no spills).
 _SM90 = {
-    "compressed": {"16bit": ((_ANY, CompressedBlockSizes()),),
+    "compressed": {"16bit": ((384, CompressedBlockSizes()),
+                             (_ANY, CompressedBlockSizes(block_q_dq=64))),
                    "float32": ((_ANY, FLOAT32_COMPRESSED_BLOCK_SIZES),)},
     "select": {"16bit": ((_ANY, SelectBlockSizes()),)},
     "selected": {"16bit": ((_ANY, SelectedBlockSizes()),)},
@@ -109,21 +115,21 @@ _COMPRESSED_AMPERE_256 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_q=64,
 _AMPERE = {
     # dkv_transposed: the plain `a @ b` products spill nothing where the transposed-operand
     # ones spilled 944-4,892 B (8 warps, d 128-256).
-    "compressed": {"16bit": ((128, _COMPRESSED_AMPERE_128), (256, _COMPRESSED_AMPERE_256)),
-                   "float32": ((128, dataclasses.replace(_COMPRESSED_AMPERE_128, num_stages=1)),
-                               (256, dataclasses.replace(_COMPRESSED_AMPERE_256, num_stages=1,
+    "compressed": {"16bit": ((256, _COMPRESSED_AMPERE_128), (512, _COMPRESSED_AMPERE_256)),
+                   "float32": ((256, dataclasses.replace(_COMPRESSED_AMPERE_128, num_stages=1)),
+                               (512, dataclasses.replace(_COMPRESSED_AMPERE_256, num_stages=1,
                                                          block_kv=16)))},
     # 64 queries a program at d_k 192 spilled 476 B; 32 queries and 2 stages spill <= 64 B.
-    "select": {"16bit": ((128, SelectBlockSizes()),
-                         (256, SelectBlockSizes(block_queries=32, num_stages=2)))},
+    "select": {"16bit": ((256, SelectBlockSizes()),
+                         (512, SelectBlockSizes(block_queries=32, num_stages=2)))},
     # The dk/dv kernel holds a selection block's K, V and their float32 gradients: 32 gathered
     # rows a step at d 128; 16 rows, 8 warps and no pipelining at d 256 (64 rows, 4 warps:
     # 1,964 B of spills and 140,032 B of shared memory).
-    "selected": {"16bit": ((128, SelectedBlockSizes(dkv_rows=32)),
-                           (256, SelectedBlockSizes(dkv_rows=16, num_warps_dkv=8,
+    "selected": {"16bit": ((256, SelectedBlockSizes(dkv_rows=32)),
+                           (512, SelectedBlockSizes(dkv_rows=16, num_warps_dkv=8,
                                                     num_stages_dkv=1,
                                                     num_warps_dkv_reduce=8)))},
-    "decode": {"16bit": ((256, DecodeBlockSizes()),)},
+    "decode": {"16bit": ((512, DecodeBlockSizes()),)},
 }
 _SM89 = _AMPERE
 _SM80 = _AMPERE
@@ -193,6 +199,6 @@ def current() -> ArchProfile:
     return PROFILES[resolve()[0]]
 
 
-def block_sizes(kernel: str, dtype, *head_dims: int):
+def block_sizes(kernel: str, dtype, d_k: int, d_v: Optional[int] = None):
     """`current().block_sizes(...)`: the default tiles of `kernel` here."""
-    return current().block_sizes(kernel, dtype, *head_dims)
+    return current().block_sizes(kernel, dtype, d_k, d_v)

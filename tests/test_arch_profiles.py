@@ -66,8 +66,12 @@ def test_shared_memory_and_hopper_only_paths():
 
 def test_sm90_keeps_the_tuned_tiles():
     sm90 = profiles.PROFILES["sm90"]
-    for d_k, d_v in ((128, 128), (192, 128), (256, 256), (512, 512)):
+    for d_k, d_v in ((128, 128), (192, 128), (128, 256), (64, 16)):
         assert sm90.block_sizes("compressed", jnp.bfloat16, d_k, d_v) == CompressedBlockSizes()
+    for d_k, d_v in ((256, 256), (512, 512)):  # the dq kernel's tuned tiles overflow there
+        assert sm90.block_sizes("compressed", jnp.bfloat16, d_k, d_v) == CompressedBlockSizes(
+            block_q_dq=64)
+    for d_k, d_v in ((128, 128), (192, 128), (256, 256), (512, 512)):
         assert sm90.block_sizes("compressed", jnp.float32, d_k, d_v) == FLOAT32_BLOCK_SIZES
         assert sm90.block_sizes("select", jnp.bfloat16, d_k) == SelectBlockSizes()
         assert sm90.block_sizes("selected", jnp.float16, d_k, d_v) == SelectedBlockSizes()
@@ -79,6 +83,9 @@ def test_tiers_serve_heads_up_to_256_and_decline_wider(name):
     profile = profiles.PROFILES[name]
     for kernel in profiles.KERNELS:
         narrow = profile.block_sizes(kernel, jnp.bfloat16, 64, 64)
+        assert profile.block_sizes(kernel, jnp.bfloat16, 128) == narrow       # no values
+        assert profile.block_sizes(kernel, jnp.bfloat16, 192) == profile.block_sizes(
+            kernel, jnp.bfloat16, 192, 192)
         wide = profile.block_sizes(kernel, jnp.bfloat16, 192, 128)
         assert profile.block_sizes(kernel, jnp.bfloat16, 256, 256) == wide
         assert profile.block_sizes(kernel, jnp.bfloat16, 128, 256) == wide   # the wider head

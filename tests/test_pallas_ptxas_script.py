@@ -1,5 +1,6 @@
 """scripts/pallas_ptxas.py: a Pallas kernel lowered for CUDA on a CPU host, its TTIR compiled
-by the installed Triton for sm90, and ptxas's registers, spills and shared memory reported."""
+by the installed Triton for sm90 (or `--arch`), and ptxas's registers, spills and shared memory
+reported; the decode kernels too."""
 import csv
 import os
 import subprocess
@@ -39,3 +40,21 @@ def test_unknown_block_size_field_is_named():
     assert proc.returncode == 2 and "block_size" in proc.stderr and "block_sel" in proc.stderr
     proc = _run("select", "--set", "block_sel")
     assert proc.returncode == 2 and "field=value" in proc.stderr
+
+
+def test_decode_kernels_for_sm89(tmp_path):
+    path = tmp_path / "decode.csv"
+    proc = _run("decode", "--arch", "sm89", "--S", 1024, "--csv", path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(path)))
+    names = {row["kernel"] for row in rows}
+    assert {"nsa_decode_compressed", "nsa_decode_select", "nsa_select_top_n",
+            "nsa_decode_selected_window", "nsa_decode_combine", "nsa_decode_append"} <= names
+    for row in rows:
+        assert row["arch"] == "sm89" and row["shared_limit"] == "101376"
+        assert row["status"] == "ok" and row["fits"] == "True", row
+
+
+def test_unknown_arch_is_named():
+    proc = _run("select", "--arch", "sm75")
+    assert proc.returncode == 2 and "sm75" in proc.stderr and "sm89" in proc.stderr
