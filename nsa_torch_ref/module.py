@@ -163,7 +163,10 @@ def combine(params: Params, x: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.T
 def gate_values(params: Params, x: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
     """The gates (spec step 9): x [B, T, d_model] -> [B, T, H, 3] in [0, 1] (cmp, sel, win)."""
     B, T, _ = x.shape
-    return torch.sigmoid(x @ params["wg"] + params["bg"]).reshape(B, T, cfg.n_heads, 3)
+    logits = x @ params["wg"]
+    # In float32 (as the JAX layer): the bias's gradient sums B*T cotangents.
+    gates = torch.sigmoid(logits.float() + params["bg"].float()).to(logits.dtype)
+    return gates.reshape(B, T, cfg.n_heads, 3)
 
 
 def output(params: Params, o: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:

@@ -200,17 +200,21 @@ def compress_kv(k: torch.Tensor, cmp_params: Optional[Mapping[str, torch.Tensor]
         blocks = k[:, :0, :, None, :].expand(B, 0, G, l, D)
     else:
         blocks = k.unfold(1, l, d).permute(0, 1, 2, 4, 3)  # [B, C, G, l, D]
+    # In the accumulation dtype, rounded once at the end (as the JAX path): a bfloat16 hidden
+    # layer would round every summary twice more.
+    acc = _acc_dtype(k.dtype)
     if cmp_params is None:
-        return blocks.mean(dim=3)
-    blocks, token_bad = _split_finite(blocks)
+        return blocks.to(acc).mean(dim=3).to(k.dtype)
+    blocks, token_bad = _split_finite(blocks.to(acc))
     block_bad = token_bad.any(dim=-1)  # [B, C, G]
     if cmp_params["pos"].shape != (G, l, D):
         raise ValueError(f"cmp_params['pos'] shape {tuple(cmp_params['pos'].shape)} must be "
                          f"{(G, l, D)} for k of shape {tuple(k.shape)}")
-    flat = (blocks + cmp_params["pos"]).flatten(3)  # token-major: [s, c] -> s*D + c
-    hidden = F.gelu(torch.einsum("bcgi,gio->bcgo", flat, cmp_params["w1"]) + cmp_params["b1"])
-    return _poison(torch.einsum("bcgi,gio->bcgo", hidden, cmp_params["w2"]) + cmp_params["b2"],
-                   block_bad)
+    w = {name: value.to(acc) for name, value in cmp_params.items()}
+    flat = (blocks + w["pos"]).flatten(3)  # token-major: [s, c] -> s*D + c
+    hidden = F.gelu(torch.einsum("bcgi,gio->bcgo", flat, w["w1"]) + w["b1"])
+    out = torch.einsum("bcgi,gio->bcgo", hidden, w["w2"]) + w["b2"]
+    return _poison(out, block_bad).to(k.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
