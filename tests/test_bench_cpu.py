@@ -44,6 +44,7 @@ def cpu_env(monkeypatch):
     monkeypatch.setenv("COMMIT", "testcommit")
 
 
+@pytest.mark.slow
 def test_prefill_cpu_smoke(tmp_path, cpu_env, capsys):
     out = tmp_path / "prefill"
     rows = "nsa_jax_xla,nsa_jax_pallas,xla_full,projections"
@@ -162,6 +163,7 @@ def test_prefill_rejects_bad_arguments():
         bench_prefill.parse_args(TINY_NSA + ["--n_sel", "2"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("timing", ["loop", "dispatch"])
 def test_decode_timing_modes_read_the_same(tmp_path, cpu_env, timing):
     """Both timing methods run the same step at position S: the same reads, a time per step,
@@ -188,6 +190,7 @@ def test_decode_rejects_bad_loop_steps():
         bench_decode.parse_args(["--device", "cpu", "--loop_steps", "0"])
 
 
+@pytest.mark.slow
 def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     csv_path = tmp_path / "decode" / "decode.csv"
     S = 40
@@ -243,6 +246,7 @@ def test_profile_decode_busy_time_is_the_union_of_intervals():
     assert busy_ns([]) == 0
 
 
+@pytest.mark.slow
 def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
     from bench import profile_decode
 

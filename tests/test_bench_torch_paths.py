@@ -36,6 +36,7 @@ def _read(path):
         return reader.fieldnames, list(reader)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not INTERPRETER, reason="Triton's interpreter is off (a CUDA machine)")
 def test_cpu_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COMMIT", "testcommit")

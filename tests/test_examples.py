@@ -135,6 +135,7 @@ def _tiny_mqar(attention: str, cfg: NSAConfig, *, n_pairs: int, batch: int, seed
     return task, mc, params, {k: jnp.asarray(v) for k, v in data.items()}
 
 
+@pytest.mark.slow
 def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
     """The full model's probe (`pooled_ranking`) at layer 0 picks what NSA's own selection picks
     in a `mean_shared` layer holding the same wq / wk (`nsa_from_dense`; layer 0's input is the
@@ -181,6 +182,7 @@ def test_pooled_ranking_probe_is_nsa_selection_over_the_full_models_keys():
     assert 0.0 < float(probe["key_mass"]) < 1.0
 
 
+@pytest.mark.slow
 def test_smoke_run_learns_and_decodes(tmp_path):
     # n_values 4: the answer's distribution alone takes the loss from ~log(vocab) = 5.0 toward
     # log(4) = 1.4, which a few steps learn without any recall.
@@ -283,6 +285,7 @@ def test_curriculum_stages():
     assert train_recall.parse_args(["--out", "x", "--curriculum", ""]).curriculum == ""
 
 
+@pytest.mark.slow
 def test_smoke_curriculum_no_rope_shift_all_models(tmp_path):
     # Curriculum (T 64 for 2 steps, then 128), RoPE off, keys mid-block, the three models and a
     # shared-K/V NSA: every run trains and the NSA one records its gradient norms.
@@ -302,6 +305,7 @@ def test_smoke_curriculum_no_rope_shift_all_models(tmp_path):
         assert json.load(f)["runs"][-1]["nsa"]["rope_theta"] is None
 
 
+@pytest.mark.slow
 def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
     # n_sel covers all 8 selection blocks of T 128 and the gates are fixed at (0, 1, 0)
     # (sigmoid(+-30)): the selected branch is causal attention over every token, so with the
@@ -345,6 +349,7 @@ def test_nsa_selecting_everything_with_gates_0_1_0_is_the_full_model():
     assert train_recall.parse_args(["--out", "x"]).init == "paired"
 
 
+@pytest.mark.slow
 def test_runs_as_a_file_without_pythonpath(tmp_path):
     """`python examples/train_recall.py` from a directory where the repository is not on the
     path writes its outputs (they import bench.common, which once failed after the training)."""

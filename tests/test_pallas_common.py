@@ -96,7 +96,8 @@ def _inputs(op: str):
     return _decode_inputs() if op.startswith("decode") else _prefill_inputs()
 
 
-@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.slow)
+                                if op == "compressed_attention" else op for op in sorted(OPS)])
 def test_xla_implementation_is_the_reference(op):
     run, reference = OPS[op]
     x = _inputs(op)

@@ -63,7 +63,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("case, dkv_transposed",
-                         [(c, True) for c in CASES] + [(CASES[1], False)],
+                         [(CASES[1], True), (CASES[1], False)]
+                         + [pytest.param(c, True, marks=pytest.mark.slow)
+                            for c in CASES if c != CASES[1]],
                          ids=lambda c: ("B{}T{}H{}G{}dk{}dv{}l{}d{}".format(*c)
                                         if isinstance(c, tuple) else f"transposed={c}"))
 def test_forward_and_gradients_float32(case, dkv_transposed):

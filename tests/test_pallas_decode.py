@@ -64,7 +64,8 @@ SHAPES = [
 SPLIT_3_WAYS = D.DecodeBlockSizes(block_cmp=16, block_win=16, target_programs=3, max_splits=3)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES[:1] + [pytest.param(shape, marks=pytest.mark.slow)
+                                   for shape in SHAPES[1:]])
 def test_kernels_match_reference_and_brute_force(shape):
     B, H, G, dk, dv, C, L, ring, l, d, l_sel, n_sel, w = shape
     x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32)
@@ -140,6 +141,7 @@ def test_kernels_take_a_position_per_row():
         np.testing.assert_allclose(o_win[b:b + 1], win_r, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_kernels_bfloat16_and_empty_rows():
     B, H, G, dk, dv, C, L, ring = 2, 32, 2, 64, 64, 80, 200, 64
     x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.bfloat16, seed=3)
@@ -218,15 +220,26 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     np.testing.assert_array_equal(np.asarray(got_xla), want)
 
 
-@pytest.mark.parametrize("l,d,l_sel,n_sel,n_blocks,C", [
+SELECT_SHAPES = [
     (8, 4, 16, 4, 12, 40),      # the paper's ratios, 4x smaller
     (32, 16, 64, 16, 30, 100),  # the paper's sizes
     (16, 16, 16, 3, 9, 9),      # l = d = l_sel: the overlap matrix is the identity
     (12, 4, 24, 5, 7, 37),      # r = 6 (not a power of two), two slots before each block
     (8, 4, 16, 8, 5, 20),       # fewer blocks than n_sel
     (8, 4, 16, 4, 100, 400),    # 7 programs of 16 blocks per row
-])
-@pytest.mark.parametrize("block_sel,contiguous", [(16, True), (64, True), (16, False)])
+]
+SELECT_TILES = [(16, True), (64, True), (16, False)]  # block_sel, contiguous
+
+
+def _select_case(tiles, shape):
+    """The default run keeps the first shape on every tiling and two more on the first; the rest
+    is slow."""
+    fast = shape == SELECT_SHAPES[0] or (tiles == SELECT_TILES[0] and shape in SELECT_SHAPES[2:4])
+    return pytest.param(*tiles, *shape, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize("block_sel,contiguous,l,d,l_sel,n_sel,n_blocks,C",
+                         [_select_case(t, s) for t in SELECT_TILES for s in SELECT_SHAPES])
 def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n_blocks, C,
                                                            block_sel, contiguous):
     """The fused selection (interpret mode) picks the blocks of the unfused path
