@@ -13,7 +13,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m parity",
         description="Run nsa_jax and nsa_torch_ref on the same weights and inputs; compare every "
                     "branch, output, gradient and decode step against the spec's tolerances.")
-    parser.add_argument("--preset", default="tiny", help="config preset: tiny (default) or paper")
+    parser.add_argument("--preset", default="tiny",
+                        help="config preset: tiny (default), paper, or bench (the paper's with "
+                             "d_k = 128, the benchmarks' configuration)")
     parser.add_argument("--T", type=int, default=80, help="prompt length (default 80)")
     parser.add_argument("--B", type=int, default=2, help="batch size (default 2)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -58,7 +60,9 @@ def main(argv=None) -> int:
     if args.no_rope:
         changes["rope_theta"] = None
     try:
-        cfg = NSAConfig.preset(args.preset, **changes)
+        if args.preset == "bench":
+            changes = {"d_k": 128, **changes}
+        cfg = NSAConfig.preset("paper" if args.preset == "bench" else args.preset, **changes)
         settings = ParitySettings(cfg=cfg, batch=args.B, seq_len=args.T, dtype=args.dtype,
                                   seed=args.seed, device=args.device,
                                   jax_backend=args.jax_backend, torch_backend=args.torch_backend,

@@ -457,9 +457,10 @@ class _Runner:
         ref, tor, pla = self._torch_stage_out
         jx = self._jax_stages()
         kernels = ("compressed_attention", "selected_attention", "sliding_window_attention")
+        exact = AGREEMENT_EXACT if s.dtype in ("bfloat16", "float16") else AGREEMENT
         rows = [_judged_row("stage", judge(name, jx[name], tor[name], pla[name], ref[name],
                                            s.dtype, agreement=(AGREEMENT if name in kernels
-                                                               else AGREEMENT_EXACT)))
+                                                               else exact)))
                 for name in ref if name != "select_blocks"]
         verdicts = {"jax": self.verdict(jx["select_blocks"], slice(0, T)),
                     "torch": self.verdict(tor["select_blocks"], slice(0, T))}

@@ -155,8 +155,9 @@ def test_bad_arguments_raise(change, message):
 
 def test_stages_compose_to_the_kernel():
     """`selected_attention_stages` (the benches' per-stage entry) runs the kernel's own functions:
-    forward, dq and dk/dv from them equal `selected_attention`'s output and gradients bit for
-    bit, and the inverse index is the dk/dv pass's work list."""
+    forward, dq and dk/dv from them equal `selected_attention`'s output and gradients (to
+    float32 rounding: the glue around the kernels is compiled in another context, and XLA may
+    fuse it differently), and the inverse index is the dk/dv pass's work list."""
     q, k, v, block_idx, cotangent = make_inputs(3, 1, 80, 4, 2, 16, 8, 3, 16, jnp.float32)
     stages = selected_attention_stages(q, k, v, block_idx, 16, interpret=True)
     o, lse = stages.forward(q, k, v)
@@ -167,7 +168,7 @@ def test_stages_compose_to_the_kernel():
     o_ref, pullback = jax.vjp(lambda q, k, v: selected_attention(q, k, v, block_idx, 16,
                                                                 interpret=True), q, k, v)
     for got, want in zip((o, dq, dk, dv), (o_ref, *pullback(do))):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     item_block = stages.inverse_index(block_idx)[1]
     assert item_block.shape[-1] >= stages.dkv_work_items > 0
 

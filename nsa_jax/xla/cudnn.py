@@ -28,16 +28,16 @@ from jax import lax
 from nsa_common import NSAConfig, num_cmp_blocks
 
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-_MAX_HEAD_DIM = 128         # every GPU cuDNN's flash attention supports
 _MAX_HEAD_DIM_SM90 = 256    # Hopper and later (the paper's d_k = 192)
 
 
 def max_head_dim() -> int:
-    try:
-        major = int(str(jax.devices()[0].compute_capability).split(".")[0])
-    except (AttributeError, ValueError, IndexError):
-        return _MAX_HEAD_DIM
-    return _MAX_HEAD_DIM_SM90 if major >= 9 else _MAX_HEAD_DIM
+    """cuDNN's head-size limit on this machine's architecture profile (`NSA_PROFILE`, else the
+    device's compute capability: `pallas_kernels.profiles`), so that `NSA_PROFILE=sm89` makes
+    an RTX 4090's choices on any GPU."""
+    from pallas_kernels import profiles
+
+    return profiles.current().cudnn_max_head_dim
 
 
 def takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
@@ -134,8 +134,10 @@ _FA3_MAX_HEAD_DIM = 128  # flash_attn3_jax 0.2.3's build: "head dimension at mos
 def fa3_takes(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether FlashAttention-3 can take these arrays: `takes` on a Hopper or later GPU with
     `flash_attn3_jax` installed, head size <= 128 (the paper's d_k = 192 stays on cuDNN)."""
-    return (takes(q, k, v) and q.shape[-1] <= _FA3_MAX_HEAD_DIM
-            and max_head_dim() == _MAX_HEAD_DIM_SM90 and _fa3_ops() is not None)
+    from pallas_kernels import profiles
+
+    return (takes(q, k, v) and q.shape[-1] <= _FA3_MAX_HEAD_DIM and profiles.current().fa3
+            and _fa3_ops() is not None)
 
 
 def _varying_axes(x) -> frozenset:
