@@ -112,6 +112,7 @@ def test_core_is_the_layer_between_projections_and_output(x64):
     np.testing.assert_array_equal(core_aux["block_idx"], aux["block_idx"])
 
 
+@pytest.mark.slow
 def test_core_gradients_match_finite_differences(x64):
     cfg = NSAConfig.tiny(n_heads=2, n_kv_heads=1, d_k=8, d_v=4)
     q, k, v, gate_logits, cmp_params = core_inputs(cfg, 1, 17, jnp.float64, shared=False,

@@ -348,6 +348,7 @@ def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
                                           interpret=True)
 
 
+@pytest.mark.slow
 def test_packed_append_step_equals_the_sliced_one():
     """A Pallas decode step with the packed append and one with `append_rows` over the sliced
     tokens leave the same cache and output (interpret mode)."""
@@ -392,6 +393,7 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel, cont
     np.testing.assert_array_equal(np.asarray(idx), want)
 
 
+@pytest.mark.slow
 def test_decode_step_with_the_append_kernel_off_is_the_same_step():
     """`DecodeBlockSizes(append_kernel=False)` sends the appends to XLA's scatters: the same
     outputs and the same cache as the kernel's (interpret mode)."""
@@ -514,6 +516,7 @@ def test_lowers_to_triton_on_any_host():
     assert text.count("xla.gpu.triton") == 1
 
 
+@pytest.mark.slow
 def test_ragged_decode_pallas_matches_each_sequence():
     """The ragged-batch check of test_jax_decode on the Pallas decode kernels (each row at its
     own position), with the backend given as a fallback sequence."""
@@ -525,6 +528,7 @@ def test_ragged_decode_pallas_matches_each_sequence():
                  backend=("pallas", "xla"), tol=F32_TOL)
 
 
+@pytest.mark.slow
 def test_decode_step_branches_pallas():
     """The breakdown hook on the Pallas kernels (win: the fused kernel with no blocks)."""
     from test_jax_decode import check_branch_steps
