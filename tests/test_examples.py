@@ -381,6 +381,7 @@ def test_a_task_that_does_not_fit_a_curriculum_length_fails_before_training(tmp_
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_ablation_takes_the_key_blocks_out_of_the_selection():
     """`exclude_key_blocks`: the selection of a layer on the ablating backend is the plain one
     with every slot holding a block of the row's queried keys set to -1 (and nothing else

@@ -62,8 +62,9 @@ def assert_close_bf16(got, want, names):
         assert rel_err(g.astype(jnp.float32), w.astype(jnp.float32)) <= 2e-2, name
 
 
-@pytest.mark.parametrize("T,l,d,d_v", [(64, 8, 4, 8), (61, 8, 4, 8), (50, 16, 8, 4), (33, 4, 4, 8),
-                                       (32, 32, 16, 8)])
+@pytest.mark.parametrize("T,l,d,d_v", [(61, 8, 4, 8), (32, 32, 16, 8)] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [(64, 8, 4, 8), (50, 16, 8, 4),
+                                                             (33, 4, 4, 8)]])
 def test_fold_matches_brute_force(x64, T, l, d, d_v):
     """Output against the brute force and lse against the chunked path, every (l, d), T not a
     multiple of d, d_v < d_k, and one block only (T = l); the queries t < l - 1 give 0 / -inf."""
@@ -371,6 +372,7 @@ def test_fused_takes_without_cudnn_kernel_needs_fa3(monkeypatch):
     assert not cudnn.fused_takes(x, x, x, fa3=True, cudnn_kernel=True)
 
 
+@pytest.mark.slow
 def test_layer_on_the_fa3_paths_equals_the_chunked_layer(x64, monkeypatch):
     """The whole layer (non-finite guard, compressed fold, window, selection from the fold's
     lse), forward and gradients, with both fused branches on the FA-3 wrappers over float64

@@ -323,6 +323,7 @@ def test_prepared_params_project_in_one_gemm(shared_kv):
     assert rel_err(aux_fused["gates"], aux_plain["gates"]) <= F32_TOL
 
 
+@pytest.mark.slow
 def test_decode_takes_every_backend_form(monkeypatch):
     """decode_step and a chunked prefill reach the backends only through the dispatch's decode
     entries, in the layer's forms: a sequence is tried in order for each entry (a backend may

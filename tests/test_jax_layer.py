@@ -106,6 +106,7 @@ def test_gradients_finite_for_every_param_and_input(T):
             assert np.any(np.asarray(leaf) != 0), jax.tree_util.keystr(path)
 
 
+@pytest.mark.slow
 def test_layer_gradient_matches_finite_differences(x64):
     cfg = NSAConfig.tiny(d_model=16, n_heads=2, n_kv_heads=1, d_k=8, d_v=4)
     params, x = make_inputs(cfg, 1, 21, jnp.float64, seed=5)
