@@ -133,8 +133,9 @@ def gates_from_logits(params: Params, logits: jax.Array, cfg: NSAConfig) -> jax.
     -> sigmoid values `[B, T, H, 3]`."""
     B, T, _ = logits.shape
     dtype = jnp.result_type(logits, params["bg"])
-    # In float32: the bias's gradient sums B*T cotangents, which bfloat16 would round badly.
-    logits = logits.astype(jnp.float32) + params["bg"].astype(jnp.float32)
+    # At least float32: the bias's gradient sums B*T cotangents, which bfloat16 rounds badly.
+    acc = jnp.promote_types(dtype, jnp.float32)
+    logits = logits.astype(acc) + params["bg"].astype(acc)
     return jax.nn.sigmoid(logits).astype(dtype).reshape(B, T, cfg.n_heads, 3)
 
 

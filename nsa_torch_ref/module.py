@@ -165,7 +165,8 @@ def gate_values(params: Params, x: torch.Tensor, cfg: NSAConfig) -> torch.Tensor
     B, T, _ = x.shape
     logits = x @ params["wg"]
     # In float32 (as the JAX layer): the bias's gradient sums B*T cotangents.
-    gates = torch.sigmoid(logits.float() + params["bg"].float()).to(logits.dtype)
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    gates = torch.sigmoid(logits.to(acc) + params["bg"].to(acc)).to(logits.dtype)
     return gates.reshape(B, T, cfg.n_heads, 3)
 
 
