@@ -11,6 +11,7 @@ Each branch has two levels: a `*_rows` helper for queries at arbitrary positions
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator, Mapping, Optional
 
@@ -28,9 +29,33 @@ ELEMENT_BUDGET = 1 << 26
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
 # ---------------------------------------------------------------------------------------------
+# A module-wide switch, not a thread-local one: autograd may run the backward (and the
+# checkpointed recomputation inside it) on a thread of its own.
+_PLAIN = {"on": False}
+
+
+@contextlib.contextmanager
+def plain_arithmetic():
+    """Within: bfloat16 / float16 inputs keep their dtype through every intermediate (scores,
+    probabilities, the compression MLP's hidden layer), as plain PyTorch attention in that
+    dtype does, instead of the float32 the reference otherwise computes in. The parity report's
+    "plain same-dtype implementation" is the reference run this way (forward and backward)."""
+    previous = _PLAIN["on"]
+    _PLAIN["on"] = True
+    try:
+        yield
+    finally:
+        _PLAIN["on"] = previous
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64 (exact tests); every other float dtype accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """float64 stays float64 (exact tests); every other float dtype accumulates in float32
+    (keeps its own dtype inside `plain_arithmetic`)."""
+    if dtype == torch.float64:
+        return torch.float64
+    if _PLAIN["on"] and dtype in (torch.bfloat16, torch.float16):
+        return dtype
+    return torch.float32
 
 
 def _resolve_scale(scale: Optional[float], d_k: int) -> float:

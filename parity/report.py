@@ -39,6 +39,7 @@ from nsa_torch_ref.module import project as torch_project
 from parity.bugs import BUGS, planted
 from parity.compare import AGREEMENT, AGREEMENT_EXACT, MULTIPLE, Judged, as_float64, judge
 from parity.convert import jax_to_torch, module_to_params, torch_to_jax
+from nsa_torch_ref.reference import plain_arithmetic
 from parity.selection import MARGIN_FACTOR, Importance, SelectionVerdict, classify, importance
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -250,8 +251,16 @@ class _Runner:
             out.update({f"d {n}": g for n, g in flatten_params(grad_p).items()})
         return out
 
+    def _arithmetic(self, module):
+        """The plain implementation computes in the dtype throughout (`plain_arithmetic`)."""
+        return plain_arithmetic() if module is self.plain else contextlib.nullcontext()
+
     def run_torch(self, module, block_idx: Optional[np.ndarray],
                   row_mask: Optional[np.ndarray] = None, gradients: bool = True) -> dict:
+        with self._arithmetic(module):
+            return self._run_torch(module, block_idx, row_mask, gradients)
+
+    def _run_torch(self, module, block_idx, row_mask, gradients) -> dict:
         s = self.s
         x = self.x_torch[:, : s.seq_len].clone().requires_grad_(gradients)
         forced = (None if block_idx is None
@@ -285,8 +294,7 @@ class _Runner:
         once: a perturbed or planted JAX side is judged against the same ones)."""
         if not hasattr(self, "_torch_shared"):
             torch_b = self.run_torch(self.module, self.ref_block_idx)
-            plain_b = (torch_b if self.s.torch_backend == "sdpa"
-                       else self.run_torch(self.plain, self.ref_block_idx))
+            plain_b = self.run_torch(self.plain, self.ref_block_idx)
             self._torch_shared = (torch_b, plain_b)
         return self._torch_shared
 
@@ -411,6 +419,10 @@ class _Runner:
             out["select_blocks"] = kernels["select_blocks"](p["q"], p["k_cmp"], cfg).cpu().numpy()
         return out
 
+    def _plain_stages(self, p: dict) -> dict:
+        with plain_arithmetic():
+            return self._torch_stages(self.plain, p, self.plain.param_tree())
+
     def _jax_stages(self) -> dict:
         """The same stages in JAX, with JAX's own weights."""
         cfg, backend = self.s.cfg, self.jax_backend
@@ -453,7 +465,7 @@ class _Runner:
             self._torch_stage_out = (
                 self._torch_stages(self.reference, p64, self.reference.param_tree()),
                 self._torch_stages(self.module, p, self.module.param_tree()),
-                self._torch_stages(self.plain, p, self.plain.param_tree()))
+                self._plain_stages(p))
         ref, tor, pla = self._torch_stage_out
         jx = self._jax_stages()
         kernels = ("compressed_attention", "selected_attention", "sliding_window_attention")
@@ -488,8 +500,8 @@ class _Runner:
         for forced in (False, True):
             runs[forced] = {"jax": self._decode_jax(prompt, chunk, forced),
                             "torch": self._decode_torch(self.module, prompt, chunk, forced)}
-        plain = (runs[True]["torch"] if s.torch_backend == "sdpa"
-                 else self._decode_torch(self.plain, prompt, chunk, True))
+        with plain_arithmetic():
+            plain = self._decode_torch(self.plain, prompt, chunk, True)
         b_index, t_index = runs[True]["jax"]["positions"]
         ref_y = as_float64(self.ref_y)[b_index, t_index]
         n_prompt = runs[True]["jax"]["prefill_rows"]
