@@ -16,9 +16,10 @@ unit roundoff), independent from term to term, so they add in quadrature to
 |dz| ~ 2 u scale |q| |k_cmp| / sqrt(d_k) =: 2 u Z. A softmax turns that into a relative error
 of at most 2 |dz| = 4 u Z on each p_cmp, and the importance, a positive combination of p_cmp,
 keeps that relative size. Two scores can move in opposite directions, so a swap needs
-|s_i - s_n| <= 8 u Z s; `MARGIN_FACTOR` (16) doubles that for what the model leaves out (the
-compression MLP's hidden layer, the float32 accumulations, a tail of the rounding
-distribution): margin = 16 u Z max(s_i, s_n), with Z over the row's heads and compressed blocks.
+|s_i - s_n| <= 8 u Z max(s_i, s_n) =: the margin (`MARGIN_FACTOR` 8), with Z over the row's
+heads and compressed blocks. On the GPU sweep (bfloat16, T 2048-8192) the flipped rows lie
+within 0.02 margins of the n-th best: the bound holds with room, and a block off by more than
+the margin is a fault, not rounding.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from nsa_torch_ref.reference import _compressed_rows
 # Unit roundoff (half the spacing of 1.0) of each dtype.
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8,
                  "float16": 2.0 ** -11}
-MARGIN_FACTOR = 16.0
+MARGIN_FACTOR = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
