@@ -1,10 +1,11 @@
-"""parity.convert: bit-exact tensor round trips for every dtype, both directions; parity.compare."""
+"""parity.convert: bit-exact tensor round trips for every dtype, both directions; parity.compare:
+the rule that judges a quantity."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from parity.compare import compare, selection_agreement, tolerance
+from parity.compare import MULTIPLE, judge, limit
 from parity.convert import jax_to_torch, torch_to_jax
 
 DTYPES = [
@@ -67,27 +68,40 @@ def test_conversion_rejects_wrong_types():
         jax_to_torch(torch.zeros(3))
 
 
-def test_compare_flags_nan_and_error():
-    reference = np.ones(10)
-    assert compare("ok", reference * (1 + 1e-7), reference, 1e-5).passed
-    assert not compare("off", reference * 1.01, reference, 1e-5).passed
+def test_judge_against_float64_and_the_plain_error():
+    """A framework passes within MULTIPLE times the plain implementation's distance to the
+    reference; NaN fails; a zero-in-exact-arithmetic reference is measured against the scale."""
+    rng = np.random.default_rng(0)
+    reference = rng.standard_normal(1000)
+    noise = 1e-3 * rng.standard_normal(1000)
+    plain = reference + noise
+    close = judge("q", reference + 1.5 * noise, plain, plain, reference, "bfloat16")
+    assert close.passed and close.limit == pytest.approx(MULTIPLE * close.plain)
+    far = judge("q", reference + 3 * noise, plain, plain, reference, "bfloat16")
+    assert not far.passed
     broken = reference.copy()
     broken[3] = np.nan
-    result = compare("nan", broken, reference, 1.0)
-    assert result.nonfinite == 1 and not result.passed
+    assert judge("q", broken, plain, plain, reference, "bfloat16").nonfinite == 1
     with pytest.raises(ValueError, match="shapes"):
-        compare("shape", np.ones(3), np.ones(4), 1.0)
+        judge("q", np.ones(3), np.ones(4), np.ones(4), np.ones(4), "float32")
+    zero = judge("d b", noise, noise, noise, 1e-18 * noise, "bfloat16", scale=10.0)
+    assert zero.zero and zero.plain == pytest.approx(np.linalg.norm(noise) / 10.0, rel=1e-6)
 
 
-def test_tolerances_follow_the_spec():
-    assert tolerance("float32", "output") == 1e-5 and tolerance("float32", "grad") == 1e-4
-    assert tolerance("bfloat16", "grad") == 1e-2
+def test_agreement_limits_the_distance_between_frameworks():
+    rng = np.random.default_rng(1)
+    reference = rng.standard_normal(1000)
+    plain = reference + 1e-3 * rng.standard_normal(1000)
+    same = judge("k", plain, plain, plain, reference, "bfloat16", agreement=0.25)
+    assert same.passed and same.cross == 0.0
+    shifted = judge("k", plain * 1.001, plain, plain, reference, "bfloat16", agreement=0.25)
+    assert not shifted.passed and shifted.jax <= shifted.limit  # only the agreement catches it
+    assert np.isinf(judge("k", plain, plain, plain, reference, "bfloat16").cross_limit)
+
+
+def test_limits_follow_the_dtype():
+    assert limit(0.0, "bfloat16") == pytest.approx(MULTIPLE * 0.25 * 2.0 ** -8)
+    assert limit(0.0, "float32") == pytest.approx(MULTIPLE * 4 * 2.0 ** -24)
+    assert limit(1e-2, "bfloat16") == pytest.approx(MULTIPLE * 1e-2)
     with pytest.raises(ValueError, match="dtype"):
-        tolerance("int8", "output")
-
-
-def test_selection_agreement_counts_whole_rows():
-    a = np.zeros((1, 4, 2, 3), dtype=np.int32)
-    b = a.copy()
-    b[0, 1, 0, 2] = 5
-    assert selection_agreement(a, b) == pytest.approx(7 / 8)
+        limit(1e-3, "int8")

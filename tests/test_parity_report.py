@@ -1,5 +1,5 @@
-"""The parity report passes on the default preset, and fails, naming the right rows, when a
-weight differs on one side only; weights round-trip bit-exactly between the frameworks."""
+"""The parity report passes on the default preset and fails, naming the right rows, when a weight
+differs on one side only; weights round-trip bit-exactly between the frameworks."""
 import jax
 import numpy as np
 import pytest
@@ -8,14 +8,14 @@ import torch
 import nsa_jax
 import nsa_torch_ref
 from nsa_common import NSAConfig
-from parity.__main__ import main
 from nsa_torch_ref.module import flatten_params as _flatten
+from parity.__main__ import main
 from parity.convert import module_to_params, params_to_module
 from parity.report import ParitySettings, run_report
 
 
-def _by_name(rows):
-    return {row.name: row for row in rows}
+def _by_name(rows, section=None):
+    return {row.name: row for row in rows if section is None or row.section == section}
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +25,20 @@ def default_rows():
 
 
 def test_report_passes_on_default_preset(default_rows):
-    failed = [row.name for row in default_rows if not row.passed]
+    failed = [f"{row.section}/{row.name}" for row in default_rows if not row.passed]
     assert not failed
-    names = _by_name(default_rows)
-    for expected in ("o_cmp", "o_sel", "o_win", "gates", "y", "block_idx agreement", "d x",
-                     "d wq", "d cmp_v.w1", "prefill y", "decode reads (equal, <= bound)",
-                     "selected_attention (shared block_idx)"):
-        assert expected in names
-    assert names["y"].error < 1e-5
+    sections = {row.section for row in default_rows}
+    assert sections == {"selection", "shared", "own", "stage", "decode"}
+    shared = _by_name(default_rows, "shared")
+    for expected in ("o_cmp", "o_sel", "o_win", "gates", "y", "d x", "d wq", "d cmp_v.w1",
+                     "prefill y", "decode y (2 steps)", "ragged decode y (2 steps)"):
+        assert expected in shared
+    stages = _by_name(default_rows, "stage")
+    for expected in ("q", "k win", "v sel", "gates (stage)", "compress k", "selected_attention",
+                     "output (gated sum, wo)", "select_blocks: wrong rows"):
+        assert expected in stages
+    assert shared["y"].jax < 1e-5 and shared["y"].limit < 1e-5  # float32: limits near u
+    assert "decode block_idx: wrong rows" in _by_name(default_rows, "selection")
 
 
 def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
@@ -54,28 +60,31 @@ def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
     runner = _Runner(ParitySettings(cfg=NSAConfig.tiny(), seq_len=56, decode_steps=2,
                                     jax_backend="pallas"))
     rows = runner.decode_rows()
-    assert [row.name for row in rows] == [row.name for row in default_rows
-                                          if row.section == "decode"]
+    expected = [(r.section, r.name) for r in default_rows
+                if r.section == "decode" or "decode" in r.name or "prefill y" in r.name]
+    assert [(r.section, r.name) for r in rows] == expected
     assert all(row.passed for row in rows)
     assert set(seen) == {("prefill", ("pallas", "xla")), ("decode_step", ("pallas", "xla"))}
 
 
-def test_report_fails_on_the_perturbed_branch():
-    rows = _by_name(run_report(ParitySettings(cfg=NSAConfig.tiny(), seq_len=40, decode_steps=1,
-                                              perturb="wk.win"), progress=False))
-    assert not rows["o_win"].passed and not rows["y"].passed
-    # The other branches do not read wk.win and stay within tolerance; the kernel rows take
-    # shared inputs, so they pass too: the report places the fault in the weights, not a kernel.
-    assert rows["o_cmp"].passed and rows["o_sel"].passed
-    assert rows["sliding_window_attention"].passed and rows["compressed_attention"].passed
+def test_report_fails_on_the_perturbed_weight():
+    rows = run_report(ParitySettings(cfg=NSAConfig.tiny(), seq_len=40, decode_steps=1,
+                                     perturb="wk.win"), progress=False)
+    failed = {(r.section, r.name) for r in rows if not r.passed}
+    # The stage that reads wk.win places the fault; the other projections agree.
+    assert ("stage", "k win") in failed and ("shared", "o_win") in failed
+    assert ("stage", "k sel") not in failed and ("stage", "q") not in failed
+    assert ("stage", "sliding_window_attention") not in failed
 
 
 def test_cli_exit_codes(capsys):
     assert main(["--T", "24", "--decode-steps", "1", "--perturb", "wo"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "y " in out
+    assert "FAIL" in out and "output (gated sum, wo)" in out
     assert main(["--preset", "nope"]) == 2
     assert main(["--jax-backend", "nope", "--T", "8", "--decode-steps", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["--plant", "no_such_bug"])
 
 
 @pytest.mark.parametrize("cfg", [NSAConfig.tiny(), NSAConfig.tiny(compress="mean", shared_kv=True)],
