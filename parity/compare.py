@@ -2,7 +2,8 @@
 "Tolerances").
 
 Every quantity is computed three times in the report's dtype: by JAX, by PyTorch, and by a
-plain implementation (the PyTorch reference on its SDPA path, no fused kernels), each against
+plain implementation (the PyTorch reference on its SDPA path, every intermediate kept in the
+dtype: `nsa_torch_ref.reference.plain_arithmetic`), each against
 the float64 reference run on the same (dtype-rounded) weights and inputs. A quantity passes when
 both frameworks' errors are at most `MULTIPLE` times the plain implementation's: the rule of
 FlashAttention's tests (a low-precision kernel may be at most twice as far from a float32

@@ -149,7 +149,8 @@ class _Runner:
                 if leaf.startswith("b") or leaf == "pos":
                     p.normal_(0.0, BIAS_STD)
         self.module.to(device=self.torch_device, dtype=dtype)
-        # The plain implementation (SDPA path) and the float64 reference hold the same weights,
+        # The plain implementation (the reference on SDPA, run in `plain_arithmetic`) and the
+        # float64 reference hold the same weights,
         # the latter as the float64 values of the dtype-rounded ones.
         self.plain = copy.deepcopy(self.module)
         self.plain.backends = {b: ("sdpa",) for b in self.plain.backends}
@@ -668,7 +669,8 @@ def format_table(rows: Sequence[Row], settings: Optional[ParitySettings] = None)
         lines += [
             f"Errors: distance to a float64 reference on the same weights and inputs "
             f"(relative L2). Limits: each framework within {MULTIPLE:g}x the error of the plain "
-            f"{settings.dtype} implementation (the PyTorch reference on SDPA); on one stage's "
+            f"{settings.dtype} implementation (the PyTorch reference computing in that dtype "
+            f"throughout); on one stage's "
             f"shared inputs, the two within {AGREEMENT:g}x it of each other ({AGREEMENT_EXACT:g}x "
             f"for stages without an attention kernel). Near-tie: the blocks that differ score "
             f"within {MARGIN_FACTOR:g} u Z of the n-th best. Reasoning: docs/NSA_SPEC.md, "
