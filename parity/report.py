@@ -166,9 +166,9 @@ class _Runner:
         cotangent = rng.standard_normal((s.batch, s.seq_len, cfg.d_model)).astype(np.float32)
         self.dy_torch = torch.from_numpy(cotangent).to(self.torch_device, dtype)
         self.jax_backend = _jax_backend(s.jax_backend)
-        self._loss_grad = jax.jit(jax.grad(self._jax_loss, argnums=(0, 1)))
-        self._forward = jax.jit(lambda p, x, b: nsa_jax.nsa_attention(
-            p, x, cfg, backend=self.jax_backend, return_aux=True, block_idx=b))
+        # One compiled function per selection mode gives the outputs and the gradients.
+        self._outputs_and_grads = jax.jit(jax.value_and_grad(self._jax_loss, argnums=(0, 1),
+                                                             has_aux=True))
         self._run_reference()
 
     def _perturb(self, name: str, factor: float) -> None:
@@ -232,9 +232,9 @@ class _Runner:
 
     # -- each framework ------------------------------------------------------------------------------
     def _jax_loss(self, params, x, dy, block_idx):
-        y = nsa_jax.nsa_attention(params, x, self.s.cfg, backend=self.jax_backend,
-                                  block_idx=block_idx)
-        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+        y, aux = nsa_jax.nsa_attention(params, x, self.s.cfg, backend=self.jax_backend,
+                                       block_idx=block_idx, return_aux=True)
+        return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32)), (y, aux)
 
     def run_jax(self, block_idx: Optional[np.ndarray], row_mask: Optional[np.ndarray] = None,
                 gradients: bool = True) -> dict:
@@ -242,12 +242,11 @@ class _Runner:
         s = self.s
         x = self.x_jax[:, : s.seq_len]
         forced = None if block_idx is None else jnp.asarray(block_idx[:, : s.seq_len])
-        y, aux = self._forward(self.params, x, forced)
+        dy = torch_to_jax(self._cotangent(row_mask, self.dy_torch.dtype), self.jax_device)
+        (_, (y, aux)), (grad_p, grad_x) = self._outputs_and_grads(self.params, x, dy, forced)
         out = {name: aux[name] for name in FORWARD[:-1]}
         out["y"], out["block_idx"] = y, np.asarray(aux["block_idx"])
         if gradients:
-            dy = torch_to_jax(self._cotangent(row_mask, self.dy_torch.dtype), self.jax_device)
-            grad_p, grad_x = self._loss_grad(self.params, x, dy, forced)
             out["d x"] = grad_x
             out.update({f"d {n}": g for n, g in flatten_params(grad_p).items()})
         return out
@@ -545,7 +544,9 @@ class _Runner:
         for lengths in (prompt, chunk):
             if lengths is None:
                 continue
-            index = np.minimum(start[:, None] + np.arange(max(lengths)), total - 1)
+            # Prompts are padded to seq_len, so the uniform and ragged ones share a compile.
+            width = s.seq_len if start.sum() == 0 else max(lengths)
+            index = np.minimum(start[:, None] + np.arange(width), total - 1)
             yield index, lengths
             start = start + np.asarray(lengths)
 
