@@ -116,3 +116,14 @@ def test_params_to_module_names_the_mismatch():
     del params["wk"]["win"]
     with pytest.raises(ValueError, match="wk.win"):
         params_to_module(params, module)
+
+
+@pytest.mark.slow
+def test_bfloat16_report_passes_at_T_1024():
+    """The size people train at, in bfloat16: every row passes (near-tie selections, exactly
+    zero gradients and long reductions judged by what they should be)."""
+    rows = run_report(ParitySettings(cfg=NSAConfig.tiny(), batch=2, seq_len=1024,
+                                     dtype="bfloat16"), progress=False)
+    assert [f"{r.section}/{r.name}" for r in rows if not r.passed] == []
+    selection = _by_name(rows, "selection")["prefill block_idx: wrong rows"]
+    assert "near-tie" in selection.detail
