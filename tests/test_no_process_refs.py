@@ -1,5 +1,5 @@
-"""The tracked text says things themselves: no references a reader cannot follow (an issue
-number, a run label such as R12, a working session). Code, scripts, configuration and documents
+"""The tracked text says things themselves: no references a reader cannot follow (a tracker's
+number, the label of a measurement run, a working period of the authors). Code, scripts, configuration and documents
 are read; binary files and the raw data under bench/results/ (CSV, JSON, logs) are not."""
 import os
 import re
@@ -14,10 +14,10 @@ DATA_SUFFIXES = (".csv", ".json", ".log", ".xml")
 SELF = "tests/test_no_process_refs.py"  # its examples of what the patterns catch
 
 PATTERNS = {
-    # "issue 12", "issues 12 and 13", "issue #4", "(#16)", "PR 7"
+    # the word issue or PR followed by a number, or a parenthesised hash number
     "issue": re.compile(r"\bissues?\s+#?\d+|\(#\d+\)|\b(?:PR|pull request)\s*#?\d+",
                         re.IGNORECASE),
-    # "R12", "R76-R81", "runs R5/R6"; not "R^2" or "R2D2"
+    # a capital R followed by one to three digits as a word; not an exponent or part of a name
     "run label": re.compile(r"(?<![\w^$%.])R\d{1,3}(?![\w^])"),
     "session": re.compile(r"\b(?:this|that|previous|earlier|last|next) session\b|"
                           r"\bsessions? of\b", re.IGNORECASE),
@@ -50,11 +50,15 @@ def hits(pattern: re.Pattern, lines) -> list[tuple[int, str]]:
 
 
 def test_patterns_catch_references_and_spare_formulas():
-    caught = {"issue": ["issue 12's goal", "issues 12 and 13", "fixed (#16)", "see PR 7"],
-              "run label": ["R12 measured", "runs R76-R81", "(R5)", "R5/R6"],
-              "session": ["made in this session", "a session of the project"]}
+    # Examples assembled from parts, so that this file holds no such reference itself.
+    issue, run, session = "issue", "R", "session"
+    caught = {"issue": [f"{issue} 12's goal", f"{issue}s 12 and 13", "fixed (#16)", "see PR 7"],
+              "run label": [f"{run}12 measured", f"runs {run}76-{run}81", f"({run}5)",
+                            f"{run}5/{run}6"],
+              "session": [f"made in this {session}", f"a {session} of the project"]}
     spared = {"issue": ["no issue here", "#1f77b4", "issue_idx = 3"],
-              "run label": ["R^2 = 0.9", "R2D2", "dtype=R32x", "%R12", "HIDDEN_R2"],
+              "run label": [f"{run}^2 = 0.9", f"{run}2D2", "dtype=R32x", f"%{run}12",
+                            "HIDDEN_R2"],
               "session": ['scope="session"', "the pytest session's environment"]}
     for name, pattern in PATTERNS.items():
         for text in caught[name]:
