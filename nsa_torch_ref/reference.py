@@ -301,6 +301,25 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     return o_cmp
 
 
+def importance_scores(p_cmp: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
+                      n_sel_blocks: int, overlap: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The selection's block importance (spec step 6) of p_cmp [B, Tq, G, h, C] for queries at
+    q_pos [Tq]: the GQA sum of p_cmp @ M, forced blocks at +inf, ineligible ones at -inf.
+    -> [B, Tq, G, n_sel_blocks]."""
+    C = p_cmp.shape[-1]
+    if overlap is None:
+        overlap = torch.from_numpy(overlap_weights(cfg, C, n_sel_blocks)).to(p_cmp)  # [C, S]
+    # sum_heads(p_cmp @ M) = sum_heads(p_cmp) @ M: summing the group's heads first makes the
+    # matmul h times smaller (at 64k tokens, h = 16: 1.1 instead of 17.6 TFLOP in float32).
+    score = p_cmp.sum(dim=3) @ overlap  # [B, Tq, G, S]
+    block = torch.arange(n_sel_blocks, device=p_cmp.device)[None, :]
+    last = (q_pos // cfg.sel_block)[:, None]  # newest eligible block per query
+    eligible = block <= last  # [Tq, S]
+    forced = eligible & ((block < cfg.n_init) | (block > last - cfg.n_local))
+    score = score.masked_fill(forced[None, :, None, :], math.inf)
+    return score.masked_fill(~eligible[None, :, None, :], -math.inf)
+
+
 def _select_rows(p_cmp: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
                  n_sel_blocks: int, overlap: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Top-n_sel selection blocks from compressed probabilities (spec step 6).
@@ -311,19 +330,7 @@ def _select_rows(p_cmp: torch.Tensor, q_pos: torch.Tensor, cfg: NSAConfig,
     [C, S] matrix per chunk cost 1.2 s of a 32k-token forward on an H200).
     Returns block_idx int32 [B, Tq, G, n_sel], ascending, -1 padded at the end.
     """
-    C = p_cmp.shape[-1]
-    if overlap is None:
-        overlap = torch.from_numpy(overlap_weights(cfg, C, n_sel_blocks)).to(p_cmp)  # [C, S]
-    # sum_heads(p_cmp @ M) = sum_heads(p_cmp) @ M: summing the group's heads first makes the
-    # matmul h times smaller (at 64k tokens, h = 16: 1.1 instead of 17.6 TFLOP in float32).
-    score = p_cmp.sum(dim=3) @ overlap  # [B, Tq, G, S]
-
-    block = torch.arange(n_sel_blocks, device=p_cmp.device)[None, :]
-    last = (q_pos // cfg.sel_block)[:, None]  # newest eligible block per query
-    eligible = block <= last  # [Tq, S]
-    forced = eligible & ((block < cfg.n_init) | (block > last - cfg.n_local))
-    score = score.masked_fill(forced[None, :, None, :], math.inf)
-    score = score.masked_fill(~eligible[None, :, None, :], -math.inf)
+    score = importance_scores(p_cmp, q_pos, cfg, n_sel_blocks, overlap)
 
     # A stable descending sort keeps equal scores in index order: ties go to the lower block.
     ranked_score, ranked = torch.sort(score, dim=-1, descending=True, stable=True)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from nsa_common import NSAConfig, num_sel_blocks, overlap_weights
-from nsa_torch_ref.reference import _compressed_rows
+from nsa_torch_ref.reference import _compressed_rows, importance_scores
 
 # Unit roundoff (half the spacing of 1.0) of each dtype.
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "bfloat16": 2.0 ** -8,
@@ -66,13 +66,7 @@ def importance(q: torch.Tensor, k_cmp: torch.Tensor, cfg: NSAConfig, *,
         q_pos = torch.arange(start, stop, device=q.device)
         _, p_cmp, _ = _compressed_rows(q[:, start:stop].double(), k_cmp.double(), None, q_pos,
                                        cfg, scale)
-        score = p_cmp.sum(dim=3) @ overlap                                # [B, Tq, G, S]
-        block = torch.arange(S, device=q.device)[None, :]
-        last = (q_pos // cfg.sel_block)[:, None]
-        eligible = block <= last
-        forced = eligible & ((block < cfg.n_init) | (block > last - cfg.n_local))
-        score = score.masked_fill(forced[None, :, None, :], math.inf)
-        score = score.masked_fill(~eligible[None, :, None, :], -math.inf)
+        score = importance_scores(p_cmp, q_pos, cfg, S, overlap)         # [B, Tq, G, S]
         scores.append(score.cpu().numpy())
         z = scale * q_norm[:, start:stop] * k_norm[:, None] / math.sqrt(d_k)
         z_scales.append(z.cpu().numpy())
