@@ -669,7 +669,8 @@ def format_table(rows: Sequence[Row], settings: Optional[ParitySettings] = None)
     if settings is not None:
         lines += [
             f"Errors: distance to a float64 reference on the same weights and inputs "
-            f"(relative L2). Limits: each framework within {MULTIPLE:g}x the error of the plain "
+            f"(relative L2). Limits: each framework within {MULTIPLE[settings.dtype]:g}x the "
+            f"error of the plain "
             f"{settings.dtype} implementation (the PyTorch reference computing in that dtype "
             f"throughout); on one stage's "
             f"shared inputs, the two within {AGREEMENT:g}x it of each other ({AGREEMENT_EXACT:g}x "
@@ -704,7 +705,7 @@ def to_json(settings: ParitySettings, rows: Sequence[Row]) -> str:
     return json.dumps({
         "config": dataclasses.asdict(settings.cfg),
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "cfg"},
-        "rule": {"multiple": MULTIPLE, "agreement": AGREEMENT,
+        "rule": {"multiple": MULTIPLE[settings.dtype], "agreement": AGREEMENT,
                  "agreement_exact": AGREEMENT_EXACT, "margin_factor": MARGIN_FACTOR},
         "versions": {"jax": jax.__version__, "torch": torch.__version__},
         "devices": {"jax": str(jax.devices()[0]), "torch": (torch.cuda.get_device_name()
