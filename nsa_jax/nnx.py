@@ -1,10 +1,11 @@
 """`NSAAttention`: the NSA layer as a Flax NNX module (needs the `flax` extra, flax >= 0.12).
 
 A thin holder of the functional layer's parameters: `__call__` is `nsa_jax.nsa_attention`,
-decode is `nsa_jax.init_cache` / `prefill` / `decode_step` on a cache the module keeps, and
-`to_params` / `from_params` convert to and from the pytree of DESIGN.md (so `parity`,
-checkpoints and the functional API see the same weights). Parameters are attributes named by
-their pytree path joined with `_` (`wq`, `wk_cmp`, `cmp_k_w1`, ...).
+`alignment_loss` is `nsa_jax.selection_alignment_loss`, decode is `nsa_jax.init_cache` /
+`prefill` / `decode_step` on a cache the module keeps, and `to_params` / `from_params` convert
+to and from the pytree of DESIGN.md (so `parity`, checkpoints and the functional API see the
+same weights). Parameters are attributes named by their pytree path joined with `_` (`wq`,
+`wk_cmp`, `cmp_k_w1`, ...).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from flax import nnx
 
 from nsa_common import NSAConfig
 from nsa_jax import checks, core, decode, dispatch, layer
+from nsa_jax.alignment import AlignmentOptions, dense_warmup_config, selection_alignment_loss
 
 Initializer = Callable[[jax.Array, tuple, Any], jax.Array]
 
@@ -142,12 +144,33 @@ class NSAAttention(nnx.Module):
         return jax.tree_util.tree_map(lambda a: a.astype(self.dtype), (params, x))
 
     # -- prefill / training ---------------------------------------------------------------------
-    def __call__(self, x: jax.Array, *, cu_seqlens=None, return_aux: bool = False):
-        """`nsa_attention` with this module's parameters: x `[B, T, d_model]` -> y (and aux)."""
+    def __call__(self, x: jax.Array, *, cu_seqlens=None, return_aux: bool = False,
+                 dense_selection: bool = False):
+        """`nsa_attention` with this module's parameters: x `[B, T, d_model]` -> y (and aux).
+
+        dense_selection: the dense warm-up stage of selection alignment: every eligible block
+        is selected (`nsa_jax.dense_warmup_config`), so the selected branch is full causal
+        attention; the parameters are the same.
+        """
         params, x = self._cast(self.to_params(), x)
-        return layer.nsa_attention(params, x, self.cfg, cu_seqlens=cu_seqlens,
+        cfg = dense_warmup_config(self.cfg, x.shape[1]) if dense_selection else self.cfg
+        return layer.nsa_attention(params, x, cfg, cu_seqlens=cu_seqlens,
                                    backend=self.backend, options=self._options(),
                                    precision=self.precision, return_aux=return_aux)
+
+    def alignment_loss(self, x: jax.Array, *, cu_seqlens=None,
+                       alignment: Optional[AlignmentOptions] = None,
+                       block_idx: Optional[jax.Array] = None, return_aux: bool = False):
+        """`nsa_jax.selection_alignment_loss` of this layer for its input x `[B, T, d_model]`:
+        the KL between the selection's block importance and the layer's own attention, to add
+        to the training loss (gradient to `wk_cmp` and `cmp_k_*` by default; `alignment`:
+        `AlignmentOptions`). block_idx: the selection of the forward (`aux["block_idx"]`), for
+        `mode="sparse"`."""
+        params, x = self._cast(self.to_params(), x)
+        return selection_alignment_loss(
+            params, x, self.cfg, alignment=alignment, cu_seqlens=cu_seqlens, block_idx=block_idx,
+            backend=self.backend, options=self._options(), precision=self.precision,
+            return_aux=return_aux)
 
     # -- decode -----------------------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int, dtype=None) -> None:
