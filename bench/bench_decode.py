@@ -41,6 +41,15 @@ bg = +30 for it, -30 for the others; the layer output is then that branch's outp
 breakdown times that branch only. The decode step computes all three branches whatever the gates
 say, so forcing changes the output, not the full step's cost.
 
+Selection workloads (`--workload`, bench/workloads.py): random (default; each step's own
+selection), coherent (`--overlap`) or trained (`--workload-file`). A forced workload's rows of
+positions S, S + 1, ... go to `decode_step(block_idx=)` step by step (the step still ranks the
+blocks; only its selected attention reads the forced ones); with --timing loop every call
+replays the rows of its --loop_steps steps. Records carry the workload and the overlap
+statistics of the blocks of consecutive steps (sel_shared, sel_jaccard; for random, those of
+16 steps of the step's own selection), printed before the table; the latest CSVs gain a
+`workload` column and keep the lines of the other workloads.
+
 Outputs: the full CSV (--csv), and on the GPU the two summary files of bench/results/
 (--latest_csv): `decode_latest.csv` (B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,
 commit; speedup = the first full-attention baseline that ran, FA-3 first, over the NSA step) and
@@ -66,12 +75,13 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
 from bench.common import OK, SKIPPED, Skip  # noqa: E402
 from bench.summarize_decode_csv import summarize  # noqa: E402
+from bench import workloads  # noqa: E402
 
 COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv", "l", "d",
            "l_sel", "n_sel", "w", "dtype", "force", "timing", "status", "ms", "ms_min", "ms_max",
            "attn_ms", "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
            "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
-           "device"]
+           "device", "workload", "sel_shared", "sel_jaccard", "sel_tile_union"]
 BRANCHES = ("cmp", "sel", "win")
 FULL_IMPLS = ("fa3", "cudnn", "xla")
 FORCED_GATE_LOGIT = 30.0  # sigmoid(30) = 1 - 1e-13, sigmoid(-30) = 1e-13
@@ -84,7 +94,7 @@ def _base(args, row: str, B: int, S: int, **extra) -> dict[str, Any]:
               "l": cfg.cmp_block, "d": cfg.cmp_stride, "l_sel": cfg.sel_block, "n_sel": cfg.n_sel,
               "w": cfg.window, "dtype": args.dtype, "force": args.branch_force_mode,
               "timing": (f"loop of {args.loop_steps}" if args.timing == "loop" else "dispatch"),
-              "device": args.device_label}
+              "device": args.device_label, "workload": args.workload}
     record.update(extra)
     return record
 
@@ -156,10 +166,11 @@ def steps_needed(args) -> int:
     return max(1, args.warmup) + args.iters * args.repeats
 
 
-def decode_loop(step_fn: Callable, cfg, xs, n: int):
+def decode_loop(step_fn: Callable, cfg, xs, n: int, block_idx=None):
     """(jitted loop(params, stacked, cache) -> (ys [n, ...], cache, extra), stacked): n steps of
     `step_fn(params, x_t, cfg, cache)` in one jitted call carrying the (donated) cache, the
-    first step as is and the other n - 1 in a `lax.scan`; step i takes x number i % len(xs).
+    first step as is and the other n - 1 in a `lax.scan`; step i takes x number i % len(xs)
+    and, with `block_idx` ([n, B, 1, G, n_sel], a workload's rows), `block_idx=block_idx[i]`.
     Every step's output is returned, so none of the steps' work can be dropped; `extra` is the
     first step's third output (decode_step's reads: a user's generation loop would not compute
     them every step, so the loop does not either), or None."""
@@ -168,25 +179,35 @@ def decode_loop(step_fn: Callable, cfg, xs, n: int):
     from jax import lax
 
     stacked = jnp.stack([xs[i % len(xs)] for i in range(n)])
+    forced = None if block_idx is None else jnp.asarray(block_idx, jnp.int32)
+
+    def call(params, x_t, cache, idx):
+        if idx is None:
+            return step_fn(params, x_t, cfg, cache)
+        return step_fn(params, x_t, cfg, cache, block_idx=idx)
 
     def loop(params, stacked, cache):
-        first = step_fn(params, stacked[0], cfg, cache)
+        first = call(params, stacked[0], cache, None if forced is None else forced[0])
 
-        def body(cache, x_t):
-            out = step_fn(params, x_t, cfg, cache)
+        def body(cache, step_in):
+            x_t, idx = step_in
+            out = call(params, x_t, cache, idx)
             return out[1], out[0]
 
-        cache, ys = lax.scan(body, first[1], stacked[1:])
+        cache, ys = lax.scan(body, first[1],
+                             (stacked[1:], None if forced is None else forced[1:]))
         ys = jnp.concatenate([first[0][None], ys])
         return ys, cache, (first[2] if len(first) > 2 else None)
 
     return jax.jit(loop, donate_argnums=(2,)), stacked
 
 
-def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[common.Timing, Any]:
+def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args,
+                  block_idx=None) -> tuple[common.Timing, Any]:
     """Time a jitted, cache-donating step; returns (timing per step, the first call's third
     output, e.g. decode_step's reads, or None). The caller's `cache` is donated: do not use it
-    afterwards.
+    afterwards. `block_idx` ([workload_steps(args), B, 1, G, n_sel] or None): a workload's
+    rows, step i forced onto row i (in the loop, row i of each call's steps).
 
     --timing loop (the default): one jitted call runs `loop_steps` steps in a `lax.scan` that
     carries the cache (a generation loop as a JAX server jits it) and returns every step's
@@ -202,7 +223,8 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
         state = {"cache": cache}
 
         def step(i):
-            out = jitted(params, xs[i % len(xs)], cfg, state["cache"])
+            forced = {} if block_idx is None else {"block_idx": block_idx[i % len(block_idx)]}
+            out = jitted(params, xs[i % len(xs)], cfg, state["cache"], **forced)
             state["cache"] = out[1]
             if not first:  # keep no reference to the cache, whose buffers the next call donates
                 first["out"] = out[2] if len(out) > 2 else None
@@ -213,7 +235,8 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
         return timing, first["out"]
 
     n = args.loop_steps
-    jitted, stacked = decode_loop(step_fn, cfg, xs, n)
+    jitted, stacked = decode_loop(step_fn, cfg, xs, n,
+                                  None if block_idx is None else block_idx[:n])
     state = {"cache": cache}
 
     def call(i):
@@ -226,6 +249,52 @@ def _timed_decode(step_fn: Callable, params, cfg, cache, xs, args) -> tuple[comm
     per_step = common.Timing(ms=timing.ms / n, ms_min=timing.ms_min / n, ms_max=timing.ms_max / n,
                              samples=timing.samples)
     return per_step, first.get("out")
+
+
+def workload_steps(args) -> int:
+    """Rows of a forced workload one point needs: the loop's steps (every call replays the rows
+    of positions S .. S + loop_steps - 1, each still causal at the later positions the cache
+    reaches) or, with --timing dispatch, every step the point runs."""
+    return args.loop_steps if args.timing == "loop" else steps_needed(args)
+
+
+def workload_rows(args, B: int, S: int):
+    """(the workload's decode rows [workload_steps, B, 1, G, n_sel] or None, the records'
+    workload fields with the forced rows' overlap statistics over consecutive steps)."""
+    rows = workloads.decode_block_idx(args, args.cfg, B, S, workload_steps(args))
+    fields = {}
+    if rows is not None:
+        fields = selection_fields(rows[:, :, 0].transpose(1, 0, 2, 3))
+    return rows, fields
+
+
+def selection_fields(block_idx) -> dict[str, float]:
+    """The sel_* record fields of a selection [B, steps, G, n_sel] (consecutive steps)."""
+    stats = workloads.overlap_stats(block_idx)
+    return {"sel_shared": stats["shared"], "sel_jaccard": stats["jaccard"],
+            "sel_tile_union": stats["tile_union"]}
+
+
+def own_selection(params, cfg, cache, xs, args, steps: int = 16):
+    """The blocks `decode_step` selects itself over `steps` consecutive steps from `cache`:
+    [B, steps, G, n_sel] (the random workload's statistics)."""
+    import jax
+    import jax.numpy as jnp
+    import nsa_jax
+    from jax import lax
+
+    stacked = jnp.stack([xs[i % len(xs)] for i in range(steps)])
+
+    @jax.jit
+    def run(cache, stacked):
+        def body(cache, x_t):
+            _, cache, _, aux = nsa_jax.decode_step(params, x_t, cfg, cache, backend=args.backend,
+                                                   return_aux=True)
+            return cache, aux["block_idx"][:, 0]
+
+        return lax.scan(body, cache, stacked)[1]
+
+    return jnp.transpose(run(cache, stacked), (1, 0, 2, 3))
 
 
 def nsa_setup(args, B: int, S: int):
@@ -264,14 +333,18 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
 
     formula = decode_read_bound(cfg, S)
     records = []
+    block_idx, fields = workload_rows(args, B, S)
+    if block_idx is None:
+        fields = selection_fields(own_selection(params, cfg, fresh_cache(), xs, args))
     cache = fresh_cache()
     size_mb = common.mb(cache_bytes(cache))
     full = _base(args, "nsa_jax", B, S, mode="full",
                  impl=f"nsa_jax.decode_step ({args.backend})", cache_mb=size_mb,
-                 reads_formula=formula, reads_full=S + 1)
+                 reads_formula=formula, reads_full=S + 1, **fields)
     decode_step = functools.partial(nsa_jax.decode_step, backend=args.backend)
     try:
-        timing, first_reads = _timed_decode(decode_step, params, cfg, cache, xs, args)
+        timing, first_reads = _timed_decode(decode_step, params, cfg, cache, xs, args,
+                                            block_idx)
         del cache
         # Every sequence sits at position S: the counts are the same for each (take the max).
         reads = {k: int(v.max()) for k, v in first_reads.items()}
@@ -293,7 +366,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
                        impl=f"nsa_jax decode ({args.backend}), {mode} only", cache_mb=size_mb)
         try:
             step = branch_only_step(mode, args.backend)
-            timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args)
+            timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args, block_idx)
             timings[mode] = timing.ms
             record.update(status=OK, **timing.fields(), share_of_step=timing.ms / full["ms"])
             if mode in BRANCHES:
@@ -439,14 +512,29 @@ def add_speedups(records: list[dict], full_order: list[str]) -> None:
 
 
 LATEST_COLUMNS = ["B", "S", "nsa_ms", "fa3_ms", "cudnn_ms", "speedup", "reads", "formula",
-                  "device", "commit"]
+                  "device", "commit", "workload"]
 BREAKDOWN_COLUMNS = ["B", "S", "mode", "ms", "share_of_step", "attn_ms", "status", "device",
-                     "commit"]
+                     "commit", "workload"]
 
 
-def write_latest(records: list[dict], path: str, device: str, commit: str) -> None:
+def _merged(path: str, lines: list[dict], columns: list[str], workload: str) -> list[dict]:
+    """`lines` (this run's, all of `workload`) after the lines of `path` that hold another
+    workload (a file written before the column existed holds the random workload): a run
+    replaces its own workload's figures and keeps the others'."""
+    kept = []
+    if os.path.isfile(path):
+        for line in common.read_csv(path):
+            line["workload"] = line.get("workload") or "random"
+            if line["workload"] != workload:
+                kept.append({key: line.get(key) for key in columns})
+    return kept + lines
+
+
+def write_latest(records: list[dict], path: str, device: str, commit: str,
+                 workload: str = "random") -> None:
     """The one-line-per-(B, S) summary at `path` and the per-branch breakdown beside it
-    (`*_breakdown.csv`); a value that did not run is left empty."""
+    (`*_breakdown.csv`) of `records` (one workload); a value that did not run is left empty.
+    Lines of the files' other workloads are kept (`_merged`)."""
     points: dict[tuple, dict] = {}
     for r in records:
         points.setdefault((r["B"], r["S"]), {})[(r["row"], r.get("mode"))] = r
@@ -460,16 +548,19 @@ def write_latest(records: list[dict], path: str, device: str, commit: str) -> No
         latest.append(dict(B=B, S=S, nsa_ms=ms(nsa), fa3_ms=ms(entries.get(("full_fa3", "full"))),
                            cudnn_ms=ms(entries.get(("full_cudnn", "full"))),
                            speedup=nsa.get("speedup_vs_full"), reads=nsa.get("reads_actual"),
-                           formula=nsa.get("reads_formula"), device=device, commit=commit))
+                           formula=nsa.get("reads_formula"), device=device, commit=commit,
+                           workload=workload))
         for mode in (*BRANCHES, "base"):
             r = entries.get(("nsa_jax", mode))
             if r:
                 breakdown.append(dict(B=B, S=S, mode=mode, ms=ms(r),
                                       share_of_step=r.get("share_of_step"),
                                       attn_ms=r.get("attn_ms"), status=r.get("status"),
-                                      device=device, commit=commit))
-    common.write_csv(path, latest, LATEST_COLUMNS)
-    common.write_csv(os.path.splitext(path)[0] + "_breakdown.csv", breakdown, BREAKDOWN_COLUMNS)
+                                      device=device, commit=commit, workload=workload))
+    breakdown_path = os.path.splitext(path)[0] + "_breakdown.csv"
+    common.write_csv(path, _merged(path, latest, LATEST_COLUMNS, workload), LATEST_COLUMNS)
+    common.write_csv(breakdown_path, _merged(breakdown_path, breakdown, BREAKDOWN_COLUMNS,
+                                             workload), BREAKDOWN_COLUMNS)
 
 
 def plot(records: list[dict], path: str, title: str) -> None:
@@ -493,6 +584,18 @@ def plot(records: list[dict], path: str, title: str) -> None:
               {"title": "branch-only step as a share of the full NSA step",
                "xlabel": "context length S", "ylabel": "share", "series": shares}]
     common.plot_lines(path, panels, title)
+
+
+def workload_lines(records: list[dict]) -> list[str]:
+    """One line per (B, S): the overlap statistics of the blocks the NSA step attended over
+    consecutive steps (the forced workload's, or the step's own selection for random)."""
+    lines = []
+    for r in records:
+        if r["row"] == "nsa_jax" and r.get("mode") == "full" and r.get("sel_shared") is not None:
+            stats = {name: r[f"sel_{name}"] for name in ("shared", "jaccard", "tile_union")}
+            lines.append(f"workload {r['workload']}, B={r['B']}, S={r['S']}: "
+                         f"{workloads.format_stats(stats)} (consecutive steps)")
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -522,11 +625,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop_steps", type=int, default=50,
                    help="steps per jitted call with --timing loop")
     p.add_argument("--no_progress", action="store_true")
+    workloads.add_workload_args(p)
     return p
 
 
 def parse_args(argv=None):
     args = common.finish_args(build_parser().parse_args(argv))
+    workloads.check_workload_args(args)
     args.B_list = common.parse_int_list(args.B, "--B")
     if args.loop_steps < 1:
         raise ValueError(f"--loop_steps ({args.loop_steps}) must be >= 1")
@@ -585,16 +690,20 @@ def main(argv=None) -> int:
         add_speedups(records, args.full_order)
         common.write_csv(args.csv, records, COLUMNS)
         if args.latest_csv:
-            write_latest(records, args.latest_csv, args.device_label, env["commit"])
+            write_latest(records, args.latest_csv, args.device_label, env["commit"],
+                         args.workload)
     cfg = args.cfg
     title = (f"NSA decode ({args.backend}): H={cfg.n_heads} G={cfg.n_kv_heads} dk={cfg.d_k} "
-             f"dv={cfg.d_v} {args.dtype} force={args.branch_force_mode} on {args.device_label} "
-             f"(commit {env['commit'][:10]})")
+             f"dv={cfg.d_v} {args.dtype} force={args.branch_force_mode} "
+             f"workload={args.workload} on {args.device_label} (commit {env['commit'][:10]})")
     png = stem + ".png"
     plot(records, png, title)
     table = summarize(common.read_csv(args.csv))
+    stats = workload_lines(records)
     with open(stem + "_summary.txt", "w") as f:
-        f.write(title + "\n\n" + table + "\n")
+        f.write(title + "\n\n" + "".join(line + "\n" for line in stats) + "\n" + table + "\n")
+    for line in stats:
+        print(line)
     print(f"wrote {args.csv}, {png}")
     print(title)
     print(table)

@@ -35,6 +35,15 @@ are recorded as "oom" without running. Speed-ups are against the first full-atte
 ran at that S and pass: fa3_full, cudnn_full, torch_sdpa_flash, torch_sdpa_cudnn, xla_full
 (`--baseline` picks one).
 
+Selection workloads (`--workload`, bench/workloads.py): random (default; the core's own
+selection of the random inputs), coherent (a synthetic selection whose consecutive queries
+share `--overlap` of their blocks) or trained (a saved selection, `--workload-file`). The NSA
+rows pass a forced workload's block_idx to the call a user makes (`block_idx=`, which skips the
+selection stage: their note says so); the full-attention rows do not depend on it. Records
+carry the workload and the overlap statistics of the blocks (sel_shared, sel_jaccard,
+sel_tile_union; for random, those the row's core selects), printed before the table; speed-ups
+compare rows of one workload.
+
 A row that needs a call of its own (fla_parallel_nsa's Triton autotuning) runs with its own
 --out; `--combine DIR_A,DIR_B --out DIR` then merges runs of one commit on one machine into one
 CSV, plot and summary (the first directory's figure wins where two runs measured the same).
@@ -60,10 +69,12 @@ from bench import common  # noqa: E402  (sets the allocator environment before j
 from bench.common import ERROR, OK, OOM, SKIPPED, Skip  # noqa: E402
 from bench.fla_setup import (FLA_MIN_HEADS_PER_GROUP, fla_config,  # noqa: E402
                              install_window_shim)
+from bench import workloads  # noqa: E402
 
 COLUMNS = ["bench", "row", "impl", "pass", "S", "B", "H", "G", "dk", "dv", "dtype", "compress",
            "l", "d", "l_sel", "n_sel", "w", "status", "ms", "ms_min", "ms_max", "peak_mb",
-           "peak_source", "device_peak_mb", "speedup", "baseline", "note", "device"]
+           "peak_source", "device_peak_mb", "speedup", "baseline", "note", "device", "workload",
+           "sel_shared", "sel_jaccard", "sel_tile_union"]
 PASSES = ("fwd", "fwd_bwd")
 ROWS = ("nsa_jax_pallas", "nsa_jax_xla", "nsa_jax_layer", "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
         "nsa_torch_fla", "fla_parallel_nsa", "cudnn_full", "fa3_full", "torch_sdpa_flash",
@@ -86,7 +97,7 @@ def _base_record(args, row: str, S: int, cfg=None) -> dict[str, Any]:
             "G": cfg.n_kv_heads, "dk": cfg.d_k, "dv": cfg.d_v, "dtype": args.dtype,
             "compress": cfg.compress, "l": cfg.cmp_block, "d": cfg.cmp_stride,
             "l_sel": cfg.sel_block, "n_sel": cfg.n_sel, "w": cfg.window,
-            "device": args.device_label}
+            "device": args.device_label, "workload": args.workload}
 
 
 def _jitted_maker(arrays: Callable) -> Callable[[int], Any]:
@@ -98,19 +109,24 @@ def _jitted_maker(arrays: Callable) -> Callable[[int], Any]:
 
 
 def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
-                     base: dict[str, Any]) -> list[dict[str, Any]]:
-    """Forward and forward+backward records of `fn(*inputs) -> array [..]`.
+                     base: dict[str, Any], fixed: tuple = ()) -> list[dict[str, Any]]:
+    """Forward and forward+backward records of `fn(*inputs, *fixed) -> array [..]`.
 
     make_inputs(seed) -> (inputs tuple, cotangent); `args.rotate` sets are built and cycled.
-    The backward pass differentiates with respect to every input.
+    The backward pass differentiates with respect to every input; `fixed` (a workload's
+    block_idx) is passed as an argument and not differentiated.
     """
     import jax
 
     sets = [make_inputs(seed) for seed in range(args.rotate)]
     records = []
+    if fixed:
+        sets = [(inputs + tuple(fixed), cot) for inputs, cot in sets]
+    n_diff = len(sets[0][0]) - len(fixed)
 
     def fwd_bwd(inputs, cotangent):
-        _, pullback = jax.vjp(fn, *inputs)
+        rest = inputs[n_diff:]
+        _, pullback = jax.vjp(lambda *diff: fn(*diff, *rest), *inputs[:n_diff])
         return pullback(cotangent)
 
     # Per pass: the function and, per input set, its positional arguments.
@@ -148,12 +164,13 @@ def nsa_jax_core(cfg, backend: str, options=None):
     else:
         label = f"nsa_jax backend={backend}"
 
-    def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params):
+    def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params,
+             block_idx=None):
         return nsa_jax.native_sparse_attention(
             q, {"cmp": k_cmp_in, "sel": k_sel, "win": k_win},
             {"cmp": v_cmp_in, "sel": v_sel, "win": v_win}, gate_logits, cfg,
             cmp_params=cmp_params or None, gates_are_logits=True, backend=backend,
-            options=options)
+            options=options, block_idx=block_idx)
 
     return core, label
 
@@ -198,13 +215,46 @@ def nsa_jax_inputs(cfg, args, S: int, shared_kv: bool):
     return _jitted_maker(arrays)
 
 
+FORCED_NOTE = "block_idx forced: no selection stage"
+
+
+def workload_fields(args, cfg, B: int, S: int, selection=None) -> tuple[dict[str, Any], Any]:
+    """(the records' workload fields, the workload's block_idx or None) of a row at S: the
+    overlap statistics of the forced block_idx, or of `selection()` (the blocks the row selects
+    itself, computed on request) for the random workload; empty when neither is given."""
+    block_idx = workloads.prefill_block_idx(args, cfg, B, S)
+    fields: dict[str, Any] = {"workload": args.workload}
+    blocks = block_idx if block_idx is not None else (selection() if selection else None)
+    if blocks is not None:
+        stats = workloads.overlap_stats(blocks)
+        fields.update(sel_shared=stats["shared"], sel_jaccard=stats["jaccard"],
+                      sel_tile_union=stats["tile_union"])
+    if block_idx is not None:
+        fields["note"] = FORCED_NOTE
+    return fields, block_idx
+
+
 def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
     if backend == "pallas" and args.device != "gpu":
         raise Skip("Pallas kernels need a GPU (interpret mode is not a timing)")
+    import jax.numpy as jnp
+
     cfg = fla_config(args.cfg) if fla_like else args.cfg
     core, label = nsa_jax_core(cfg, backend)
-    base = dict(_base_record(args, row, S, cfg), impl=label)
-    return _jax_time_passes(core, nsa_jax_inputs(cfg, args, S, shared_kv=fla_like), args, base)
+    make = nsa_jax_inputs(cfg, args, S, shared_kv=fla_like)
+
+    def own_selection():
+        inputs, _ = make(0)
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate_logits, cmp_params = inputs
+        return workloads.core_selection(
+            q, {"cmp": k_cmp, "sel": k_sel, "win": k_win},
+            {"cmp": v_cmp, "sel": v_sel, "win": v_win}, gate_logits, cfg,
+            cmp_params=cmp_params, backend=backend)
+
+    fields, block_idx = workload_fields(args, cfg, args.B, S, own_selection)
+    base = dict(_base_record(args, row, S, cfg), impl=label, **fields)
+    fixed = () if block_idx is None else (jnp.asarray(block_idx),)
+    return _jax_time_passes(core, make, args, base, fixed)
 
 
 def run_nsa_layer(args, S: int, row: str):
@@ -227,12 +277,16 @@ def run_nsa_layer(args, S: int, row: str):
         cotangent = jax.random.normal(k_cot, (args.B, S, cfg.d_model), jnp.float32).astype(dtype)
         return (params, x), cotangent
 
-    def layer(params, x):
-        return nsa_jax.nsa_attention(params, x, cfg, backend=("pallas", "xla"))
+    def layer(params, x, block_idx=None):
+        return nsa_jax.nsa_attention(params, x, cfg, backend=("pallas", "xla"),
+                                     block_idx=block_idx)
 
+    fields, block_idx = workload_fields(args, cfg, args.B, S)
     base = dict(_base_record(args, row, S, cfg),
-                impl=f"nsa_jax.nsa_attention backend=(pallas,xla) d_model={cfg.d_model}")
-    return _jax_time_passes(layer, _jitted_maker(arrays), args, base)
+                impl=f"nsa_jax.nsa_attention backend=(pallas,xla) d_model={cfg.d_model}",
+                **fields)
+    fixed = () if block_idx is None else (jnp.asarray(block_idx),)
+    return _jax_time_passes(layer, _jitted_maker(arrays), args, base, fixed)
 
 
 def _full_jax_inputs(args, S: int):
@@ -433,6 +487,8 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
     kernels = dispatch.resolve_all({TORCH_BRANCH_KEYS[k]: name for k, name in backends.items()})
     mlp = cfg.compress == "mlp"
     names = ("pos", "w1", "b1", "w2", "b2")
+    fields, block_idx = workload_fields(args, cfg, args.B, S)
+    forced = None if block_idx is None else torch.as_tensor(block_idx, device=device)
 
     def core(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gate_logits, *cmp_tensors):
         cmp_params = ({"cmp_k": dict(zip(names, cmp_tensors[:5])),
@@ -440,7 +496,8 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         return native_sparse_attention(q, {"cmp": k_cmp_in, "sel": k_sel, "win": k_win},
                                        {"cmp": v_cmp_in, "sel": v_sel, "win": v_win},
                                        gate_logits, cfg, cmp_params=cmp_params,
-                                       gates_are_logits=True, kernels=kernels)
+                                       gates_are_logits=True, kernels=kernels,
+                                       block_idx=forced)
 
     B, H, G, dk, dv, l = args.B, cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.cmp_block
 
@@ -460,7 +517,7 @@ def run_nsa_torch(args, S: int, fla_like: bool, row: str):
         cotangent = torch.randn((B, S, H, dv), generator=gen, device=device).to(dtype)
         return inputs, cotangent
 
-    base = _base_record(args, row, S, cfg)
+    base = dict(_base_record(args, row, S, cfg), **fields)
     base["impl"] = "nsa_torch_ref " + " ".join(f"{key}={name}" for key, name in backends.items())
     return _torch_time_passes(core, make, args, base, device)
 
@@ -518,17 +575,20 @@ def run_fla(args, S: int, row: str):
         raise Skip(f"fla not importable ({exc})") from None
     cfg = fla_config(args.cfg)
     impl = f"fla.ops.nsa.parallel_nsa (window: {install_window_shim(fla_parallel)})"
+    fields, block_idx = workload_fields(args, cfg, args.B, S)
+    forced = (None if block_idx is None
+              else torch.as_tensor(block_idx, device=device, dtype=torch.int32))
 
     def nsa(q, k, v, gate_logits):
         gates = torch.sigmoid(gate_logits.float()).to(q.dtype)
         return parallel_nsa(q, k, v, g_cmp=gates[..., 0], g_slc=gates[..., 1],
-                            g_swa=gates[..., 2], block_counts=cfg.n_sel,
+                            g_swa=gates[..., 2], block_indices=forced, block_counts=cfg.n_sel,
                             block_size=cfg.sel_block, window_size=cfg.window)
 
     def make(seed: int):
         return _torch_qkv(args, S, device, dtype, seed, gates=True)
 
-    base = dict(_base_record(args, row, S, cfg), impl=impl)
+    base = dict(_base_record(args, row, S, cfg), impl=impl, **fields)
     return _torch_time_passes(nsa, make, args, base, device)
 
 
@@ -587,33 +647,50 @@ def run_row(args, row: str, on_record: Optional[Callable[[list], None]] = None) 
 # ---------------------------------------------------------------------------------------------
 # Summary, CSV, plot
 # ---------------------------------------------------------------------------------------------
+def workload_of(record: dict) -> str:
+    """A record's workload; "random" for records written before the column existed."""
+    return record.get("workload") or "random"
+
+
 def add_speedups(records: list[dict], baseline: Optional[str]) -> None:
-    """Fill `speedup` (baseline ms / row ms) and `baseline` for every ok record."""
-    ok = {(r["row"], r["S"], r["pass"]): r for r in records if r.get("status") == OK}
+    """Fill `speedup` (baseline ms / row ms) and `baseline` for every ok record, against the
+    baseline row of the same run's workload."""
+    ok = {(r["row"], r["S"], r["pass"], workload_of(r)): r for r in records
+          if r.get("status") == OK}
     for record in records:
         if record.get("status") != OK or record["row"] == "projections":
             continue
         candidates = [baseline] if baseline else BASELINES
         for name in candidates:
-            ref = ok.get((name, record["S"], record["pass"]))
+            ref = ok.get((name, record["S"], record["pass"], workload_of(record)))
             if ref and ref.get("ms"):
                 record["speedup"] = ref["ms"] / record["ms"]
                 record["baseline"] = name
                 break
 
 
-LATEST_COLUMNS = ["row", "S", "fwd_ms", "fwd_bwd_ms", "peak_mb", "device", "commit", "status"]
+LATEST_COLUMNS = ["row", "S", "fwd_ms", "fwd_bwd_ms", "peak_mb", "device", "commit", "status",
+                  "workload"]
+
+
+WORKLOAD_ORDER = workloads.WORKLOADS
+
+
+def _row_order(key: tuple) -> tuple:
+    """Sort key of (row, S, workload): the ROWS order, then S, then the workload."""
+    row, S, workload = key
+    return (ROWS.index(row) if row in ROWS else len(ROWS), S,
+            WORKLOAD_ORDER.index(workload) if workload in WORKLOAD_ORDER else len(WORKLOAD_ORDER))
 
 
 def latest_rows(records: list[dict], commit: str) -> list[dict]:
-    """One line per (row, S) for `bench/results/prefill_latest.csv`: both passes' times, the
-    larger peak, and in `status` why a pass did not run (empty when both ran)."""
+    """One line per (row, S, workload) for `bench/results/prefill_latest.csv`: both passes'
+    times, the larger peak, and in `status` why a pass did not run (empty when both ran)."""
     by_key: dict[tuple, dict] = {}
     for r in records:
-        by_key.setdefault((r["row"], int(r["S"])), {})[r["pass"]] = r
+        by_key.setdefault((r["row"], int(r["S"]), workload_of(r)), {})[r["pass"]] = r
     lines = []
-    for (row, S), passes in sorted(by_key.items(), key=lambda kv: (ROWS.index(kv[0][0]),
-                                                                   kv[0][1])):
+    for (row, S, workload), passes in sorted(by_key.items(), key=lambda kv: _row_order(kv[0])):
         ms = {p: (common.to_float(passes[p].get("ms")) if p in passes
                   and passes[p].get("status") == OK else None) for p in PASSES}
         peaks = [common.to_float(r.get("peak_mb")) for r in passes.values()]
@@ -623,18 +700,34 @@ def latest_rows(records: list[dict], commit: str) -> list[dict]:
         device = next((r.get("device") for r in passes.values() if r.get("device")), "")
         lines.append({"row": row, "S": S, "fwd_ms": ms["fwd"], "fwd_bwd_ms": ms["fwd_bwd"],
                       "peak_mb": max(peaks) if peaks else None, "device": device,
-                      "commit": commit[:12], "status": "; ".join(problems)})
+                      "commit": commit[:12], "status": "; ".join(problems),
+                      "workload": workload})
+    return lines
+
+
+def workload_lines(records: list[dict]) -> list[str]:
+    """One line per (workload, S, row) whose records carry overlap statistics."""
+    lines, seen = [], set()
+    for r in records:
+        if common.to_float(r.get("sel_shared")) is None:
+            continue
+        key = (workload_of(r), int(r["S"]), r["row"])
+        if key in seen:
+            continue
+        seen.add(key)
+        stats = {name: common.to_float(r.get(f"sel_{name}"))
+                 for name in ("shared", "jaccard", "tile_union")}
+        lines.append(f"workload {key[0]}, S={key[1]}, {key[2]}: "
+                     f"{workloads.format_stats(stats)}")
     return lines
 
 
 def summary_table(records: list[dict]) -> str:
     by_key: dict[tuple, dict] = {}
     for r in records:
-        by_key.setdefault((r["row"], int(r["S"])), {})[r["pass"]] = r
+        by_key.setdefault((r["row"], int(r["S"]), workload_of(r)), {})[r["pass"]] = r
     rows = []
-    for (row, S), passes in sorted(by_key.items(), key=lambda kv: (ROWS.index(kv[0][0])
-                                                                   if kv[0][0] in ROWS else 99,
-                                                                   kv[0][1])):
+    for (row, S, workload), passes in sorted(by_key.items(), key=lambda kv: _row_order(kv[0])):
         fwd, both = passes.get("fwd", {}), passes.get("fwd_bwd", {})
 
         def value(r, key):
@@ -644,9 +737,9 @@ def summary_table(records: list[dict]) -> str:
         status = OK if statuses == {OK} else ",".join(sorted(s for s in statuses if s))
         rows.append([row, S, value(fwd, "ms"), value(both, "ms"), value(both, "peak_mb"),
                      value(fwd, "speedup"), value(both, "speedup"),
-                     fwd.get("baseline") or both.get("baseline") or "-", status])
+                     fwd.get("baseline") or both.get("baseline") or "-", status, workload])
     header = ["row", "S", "fwd_ms", "fwd_bwd_ms", "fwd_bwd_peak_mb", "speedup_fwd",
-              "speedup_fwd_bwd", "baseline", "status"]
+              "speedup_fwd_bwd", "baseline", "status", "workload"]
     return common.format_table(rows, header)
 
 
@@ -658,10 +751,12 @@ def plot(records: list[dict], path: str, title: str) -> None:
         for r in records:
             if r["pass"] != pass_name or r.get("status") != OK:
                 continue
-            latency.setdefault(r["row"], []).append((int(r["S"]), common.to_float(r["ms"])))
+            label = (r["row"] if workload_of(r) == "random"
+                     else f"{r['row']} ({workload_of(r)})")
+            latency.setdefault(label, []).append((int(r["S"]), common.to_float(r["ms"])))
             if r.get("speedup") is not None and r["row"] not in (*BASELINES, "projections"):
-                speedup.setdefault(r["row"], []).append((int(r["S"]),
-                                                         common.to_float(r["speedup"])))
+                speedup.setdefault(label, []).append((int(r["S"]),
+                                                      common.to_float(r["speedup"])))
         label = "forward" if pass_name == "fwd" else "forward + backward"
         panels.append({"title": f"{label}: latency", "xlabel": "context length S",
                        "ylabel": "ms (median)", "series": latency, "logy": True})
@@ -695,6 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--combine", default=None,
                    help="comma list of earlier --out directories: merge their results into --out "
                         "instead of running (the first directory wins where two measured the same)")
+    workloads.add_workload_args(p)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
     return p
@@ -703,6 +799,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     parser = build_parser()
     args = common.finish_args(parser.parse_args(argv))
+    workloads.check_workload_args(args)
     args.S = common.parse_int_list(args.S_list, "--S_list")
     if args.B <= 0:
         raise ValueError(f"--B ({args.B}) must be positive")
@@ -755,6 +852,8 @@ def main(argv=None) -> int:
                 records += run_row(args, row)
             write_outputs(args, records, env)
     csv_path, table, title = write_outputs(args, records, env)
+    for line in workload_lines(records):
+        print(line)
     print(f"wrote {csv_path} and the plot, summary beside it")
     print(title)
     print(table)
@@ -786,7 +885,8 @@ def _write_records(out: str, records: list[dict], commit: str, title: str,
     plot(records, os.path.join(out, "prefill.png"), title)
     table = summary_table(records)
     with open(os.path.join(out, "prefill_summary.txt"), "w") as f:
-        f.write(title + "\n\n" + table + "\n")
+        f.write(title + "\n\n" + "".join(line + "\n" for line in workload_lines(records))
+                + "\n" + table + "\n")
     return csv_path, table, title
 
 
@@ -815,11 +915,13 @@ def combine_runs(dirs: list[str], out: str, baseline: Optional[str] = None
         for r in common.read_csv(csv_path):
             for field in SHARED_FIELDS:
                 shared[field].add(r.get(field))
-            key = (r["row"], r["S"], r["pass"])
+            r["workload"] = workload_of(r)
+            key = (r["row"], r["S"], r["pass"], r["workload"])
             if key in seen:
                 continue
             seen.add(key)
-            for field in ("ms", "ms_min", "ms_max", "peak_mb", "device_peak_mb"):
+            for field in ("ms", "ms_min", "ms_max", "peak_mb", "device_peak_mb", "sel_shared",
+                          "sel_jaccard", "sel_tile_union"):
                 r[field] = common.to_float(r.get(field))
             r["speedup"], r["baseline"] = None, None
             records.append(r)

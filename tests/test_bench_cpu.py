@@ -202,7 +202,8 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
                                          "--latest_csv", str(tmp_path / "decode_latest.csv")])
     assert code == 0
     columns, latest = _read(tmp_path / "decode_latest.csv")
-    assert ",".join(columns) == "B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,commit"
+    assert ",".join(columns) == ("B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,commit,"
+                                 "workload")
     assert len(latest) == 1 and latest[0]["fa3_ms"] == "" and latest[0]["commit"] == "testcommit"
     _, breakdown = _read(tmp_path / "decode_latest_breakdown.csv")
     assert [r["mode"] for r in breakdown] == ["sel", "base"]
