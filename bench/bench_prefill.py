@@ -109,8 +109,10 @@ def _jitted_maker(arrays: Callable) -> Callable[[int], Any]:
 
 
 def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
-                     base: dict[str, Any], fixed: tuple = ()) -> list[dict[str, Any]]:
-    """Forward and forward+backward records of `fn(*inputs, *fixed) -> array [..]`.
+                     base: dict[str, Any], fixed: tuple = (),
+                     passes: tuple = PASSES) -> list[dict[str, Any]]:
+    """Forward and forward+backward records (those of `passes`) of
+    `fn(*inputs, *fixed) -> array [..]`.
 
     make_inputs(seed) -> (inputs tuple, cotangent); `args.rotate` sets are built and cycled.
     The backward pass differentiates with respect to every input; `fixed` (a workload's
@@ -132,7 +134,7 @@ def _jax_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
     # Per pass: the function and, per input set, its positional arguments.
     programs = {"fwd": (fn, [inputs for inputs, _ in sets]),
                 "fwd_bwd": (fwd_bwd, [(inputs, cot) for inputs, cot in sets])}
-    for pass_name in PASSES:
+    for pass_name in passes:
         record = dict(base, **{"pass": pass_name})
         try:
             timing, compiled = common.time_jax_fn(*programs[pass_name], iters=args.iters,
@@ -397,8 +399,10 @@ def run_projections(args, S: int, row: str):
 # torch rows
 # ---------------------------------------------------------------------------------------------
 def _torch_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
-                       base: dict[str, Any], device: str) -> list[dict[str, Any]]:
-    """Forward (no autograd) and forward+backward records of `fn(*inputs) -> tensor`."""
+                       base: dict[str, Any], device: str,
+                       passes: tuple = PASSES) -> list[dict[str, Any]]:
+    """Forward (no autograd) and forward+backward records (those of `passes`) of
+    `fn(*inputs) -> tensor`."""
     import torch
 
     sets = [make_inputs(seed) for seed in range(args.rotate)]
@@ -415,6 +419,8 @@ def _torch_time_passes(fn: Callable, make_inputs: Callable[[int], tuple], args,
         return torch.autograd.grad(out, [x for x in inputs if x.requires_grad], cotangent)
 
     for pass_name, step in (("fwd", forward), ("fwd_bwd", forward_backward)):
+        if pass_name not in passes:
+            continue
         record = dict(base, **{"pass": pass_name})
         try:
             if cuda:
