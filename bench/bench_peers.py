@@ -752,6 +752,12 @@ def main(argv=None) -> int:
                 job_args = copy.copy(args)
                 job_args.passes = passes
                 job_argv = argv + ["--passes", ",".join(passes)]
+                if "decode" in passes:  # the batch sizes the peer's decode ran at
+                    job_args.decode_B = sorted({
+                        int(r["B"]) for r in records if r["peer"] == name
+                        and r["row"] == "peer" and r["pass"] in DECODE_PASSES
+                        and r.get("status") != SKIPPED})
+                    job_argv += ["--decode_B", ",".join(map(str, job_args.decode_B))]
             job = f"{name}-{side}"
             if args.isolate == "job":
                 out, failure = common.run_row_subprocess(script, job_argv, job,
