@@ -40,6 +40,11 @@ from pallas_kernels.selected_attention import (
     selected_attention_reference,
     selected_attention_stages,
 )
+from pallas_kernels.window_attention import (
+    BlockSizes as WindowAttentionBlockSizes,
+    window_attention,
+    window_attention_reference,
+)
 
 # Every name imported above (the ops, their references and block-size classes), and no module.
 __all__ = sorted(name for name, value in list(globals().items())

@@ -36,12 +36,14 @@ from pallas_kernels.compressed_attention import (
 from pallas_kernels.decode import DecodeBlockSizes
 from pallas_kernels.select_blocks import BlockSizes as SelectBlockSizes
 from pallas_kernels.selected_attention import BlockSizes as SelectedBlockSizes
+from pallas_kernels.window_attention import BlockSizes as WindowBlockSizes
+from pallas_kernels.window_attention import FLOAT32_BLOCK_SIZES as FLOAT32_WINDOW_BLOCK_SIZES
 
 ENV = "NSA_PROFILE"
 # Accepted for NSA_PROFILE with the meaning "the device decides" (the PyTorch profile name).
 DEVICE_PROFILE = "base"
 DEFAULT_ARCH = "sm90"
-KERNELS = ("compressed", "select", "selected", "decode")
+KERNELS = ("compressed", "select", "selected", "decode", "window")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,15 @@ _SM90 = {
     "select": {"16bit": ((_ANY, SelectBlockSizes()),)},
     "selected": {"16bit": ((_ANY, SelectedBlockSizes()),)},
     "decode": {"16bit": ((_ANY, DecodeBlockSizes()),)},
+    # Sliding window (not yet timed): the defaults up to d 128; at d_k 192 half the dk/dv rows
+    # (64 spilled 692 B); at 256 half the forward and dq rows (dq: 262,144 B otherwise) and
+    # 32-key dk/dv tiles from transposed scores (the other forms spilled 1.7-3.7 KB).
+    "window": {"16bit": ((256, WindowBlockSizes()), (384, WindowBlockSizes(block_q_dkv=32)),
+                         (_ANY, WindowBlockSizes(block_q=64, block_q_dq=64, block_kv_dkv=32,
+                                                 dkv_transposed=True))),
+               "float32": ((256, FLOAT32_WINDOW_BLOCK_SIZES),
+                           (_ANY, dataclasses.replace(FLOAT32_WINDOW_BLOCK_SIZES,
+                                                      block_q_dq=32)))},
 }
 
 # sm86 / sm89 (101,376 B a block) and sm80 (166,912 B): Ampere and Ada have no wgmma, so the
@@ -112,6 +123,13 @@ _COMPRESSED_AMPERE_128 = CompressedBlockSizes(
     num_warps=8, num_warps_bwd=8, num_stages=2, dkv_transposed=True)
 # Wide heads: a quarter of the query rows (a [64, 256] q tile is 32 KiB of shared memory).
 _COMPRESSED_AMPERE_256 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_q=64, block_kv_dq=16)
+# Sliding window: 4 warps and 64-row query tiles; wide heads take half the rows and 8 warps in
+# the backward (4 warps: 900-1,068 B of dk/dv spills at d 256). No spills up to 256.
+_WINDOW_AMPERE_128 = WindowBlockSizes(
+    block_q=64, block_kv=32, block_q_dq=64, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
+    num_warps=4, num_warps_bwd=4, num_stages=2, dkv_transposed=True)
+_WINDOW_AMPERE_256 = dataclasses.replace(_WINDOW_AMPERE_128, block_q=32, block_q_dq=32,
+                                         num_warps_bwd=8)
 _AMPERE = {
     # dkv_transposed: the plain `a @ b` products spill nothing where the transposed-operand
     # ones spilled 944-4,892 B (8 warps, d 128-256).
@@ -130,6 +148,11 @@ _AMPERE = {
                                                     num_stages_dkv=1,
                                                     num_warps_dkv_reduce=8)))},
     "decode": {"16bit": ((512, DecodeBlockSizes()),)},
+    "window": {"16bit": ((256, _WINDOW_AMPERE_128), (512, _WINDOW_AMPERE_256)),
+               "float32": ((256, dataclasses.replace(_WINDOW_AMPERE_128, num_stages=1)),
+                           (512, dataclasses.replace(_WINDOW_AMPERE_256, num_stages=1,
+                                                     block_q_dq=16, block_kv_dq=16,
+                                                     block_q_dkv=16, block_kv_dkv=16)))},
 }
 _SM89 = _AMPERE
 _SM80 = _AMPERE

@@ -20,12 +20,13 @@ stores / loads for it.
 
 Kernels: `select` (select_blocks, fused top-n), `selected` (selected attention: forward, dq,
 dk/dv, the dk/dv reduction), `compressed` (the Pallas compressed attention, forward and
-backward), `decode` (the decode step's kernels: compressed, the split combine, selection,
-top-n, selected + window, the cache append), `all` (every one). `--set` overrides fields of that
-kernel's block sizes (the `--arch` profile's tiles otherwise). A row fits when its shared memory
-is at most the architecture's per-block limit; the exit status is 0 when every row compiled
-and fits. A shape the profile has no tiles for (the Pallas backend then runs XLA) is a row with
-status `no tiles: ...`, which counts as neither a failure nor a fit.
+backward), `window` (sliding-window attention: forward, dq, dk/dv), `decode` (the decode
+step's kernels: compressed, the split combine, selection, top-n, selected + window, the cache
+append), `all` (every one). `--set` overrides fields of that kernel's block sizes (the
+`--arch` profile's tiles otherwise). A row fits when its shared memory is at most the
+architecture's per-block limit; the exit status is 0 when every row compiled and fits. A
+shape the profile has no tiles for (the Pallas backend then runs XLA) is a row with status
+`no tiles: ...`, which counts as neither a failure nor a fit.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from pallas_kernels import profiles  # noqa: E402
 COLUMNS = ["arch", "dtype", "d_k", "d_v", "kernel", "num_warps", "num_stages", "registers",
            "spill_stores", "spill_loads", "shared_bytes", "shared_limit", "fits", "triton",
            "status"]
-KERNELS = ("select", "selected", "compressed", "decode")
+KERNELS = ("select", "selected", "compressed", "window", "decode")
 
 # Runs in a subprocess that imports triton only (jaxlib's and triton's LLVM stay apart):
 # compile one TTIR file for one architecture, run ptxas -v on its PTX, print one JSON line.
@@ -143,6 +144,14 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
                 return (out[0] if isinstance(out, tuple) else out).astype(jnp.float32).sum()
             return jax.grad(loss, argnums=(0, 1, 2))(q, k_cmp, v_cmp)
         return fn, (bf16(1, S, H, d_k), bf16(1, C, G, d_k), bf16(1, C, G, d_v))
+    if kernel == "window":
+        from pallas_kernels.window_attention import window_attention
+
+        def fn(q, k, v):
+            loss = lambda q, k, v: window_attention(  # noqa: E731
+                q, k, v, window=window, block_sizes=sizes).astype(jnp.float32).sum()
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return fn, (bf16(1, S, H, d_k), bf16(1, S, G, d_k), bf16(1, S, G, d_v))
     if kernel == "decode":
         from pallas_kernels import decode
 

@@ -1,6 +1,6 @@
 """scripts/pallas_ptxas.py: a Pallas kernel lowered for CUDA on a CPU host, its TTIR compiled
 by the installed Triton for sm90 (or `--arch`), and ptxas's registers, spills and shared memory
-reported; the decode kernels too."""
+reported; the decode and window kernels too."""
 import csv
 import os
 import subprocess
@@ -58,3 +58,23 @@ def test_decode_kernels_for_sm89(tmp_path):
 def test_unknown_arch_is_named():
     proc = _run("select", "--arch", "sm75")
     assert proc.returncode == 2 and "sm75" in proc.stderr and "sm89" in proc.stderr
+
+
+def test_window_kernels_fit_sm80_and_sm89(tmp_path):
+    """The window kernels (forward, dq, dk/dv) at d_k 128 and the paper's 192 (d_v 128), on the
+    sm80 and sm89 profiles' tiles: within shared memory, a few hundred bytes of spills at most."""
+    path = tmp_path / "window.csv"
+    proc = _run("window", "--arch", "sm80,sm89", "--heads", "128/128,192/128", "--S", 1024,
+                "--csv", path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(path)))
+    assert sorted({(r["arch"], r["d_k"]) for r in rows}) == [
+        ("sm80", "128"), ("sm80", "192"), ("sm89", "128"), ("sm89", "192")]
+    assert {r["kernel"] for r in rows} == {"nsa_window_attention_fwd", "nsa_window_attention_dq",
+                                           "nsa_window_attention_dkv"}
+    assert len(rows) == 12
+    for row in rows:
+        label = f"{row['arch']} d_k {row['d_k']} {row['kernel']}"
+        assert row["status"] == "ok" and row["fits"] == "True", label
+        assert int(row["shared_bytes"]) <= int(row["shared_limit"]), label
+        assert int(row["spill_stores"]) <= 256, (label, row["spill_stores"])
