@@ -149,6 +149,7 @@ def test_core_accepts_the_workload():
     assert own.shape == forced.shape and not np.array_equal(own, forced)
 
 
+@pytest.mark.slow
 def test_decode_step_accepts_the_workload_rows():
     import jax
     import jax.numpy as jnp
