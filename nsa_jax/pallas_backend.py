@@ -1,11 +1,17 @@
 """The `"pallas"` backend: adapters from the dispatch conventions to `pallas_kernels`.
 
 The kernels take plain hyperparameters (`cmp_block=`, `sel_block=`, ...) and know nothing of
-`NSAConfig`; this module is the only place where the two meet. Branches without a Pallas kernel
-(`compress_kv`, `sliding_window_attention`) are not registered; `"pallas"` is registered with
-`"xla"` as its fallback, so `backend="pallas"` (the same as `("pallas", "xla")`) runs them on
-XLA. Packed sequences are not supported by the kernels (registered with `packed=False`): they
-go to XLA too.
+`NSAConfig`; this module is the only place where the two meet. The branch without a Pallas
+kernel (`compress_kv`) is not registered; `"pallas"` is registered with `"xla"` as its fallback,
+so `backend="pallas"` (the same as `("pallas", "xla")`) runs it on XLA. Packed sequences are not
+supported by the kernels (registered with `packed=False`): they go to XLA too, as does a shape a
+kernel declines (float64, heads wider than its architecture's tiles).
+
+The two branches that fused attention can run (compressed and window) take, in order:
+FlashAttention-3 where it takes the shapes (sm90 profile, head dims <= 128, `flash_attn3_jax`
+installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`, off inside a multi-device
+`shard_map`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
+XLA's chunked paths run only where a kernel declines.
 
 Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select` (the compressed
 kernel, a selection kernel that turns its scores into the blocks' scores: head sums, overlap
@@ -50,6 +56,11 @@ class PallasOptions:
     the 128 it takes on an RTX 4090).
     cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
     Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
+    window_cudnn: the same choice for the window branch: FA-3 (`fa3`) or cuDNN's
+    `local_window_size` (`cudnn_kernel`) where they take the shapes, else the Pallas window
+    kernel; False runs the kernel (whose lse is available to callers of
+    `pallas_kernels.window_attention`).
+    window_blocks: the window kernel's tiles (None: the architecture's).
     """
 
     interpret: Optional[bool] = None
@@ -57,7 +68,9 @@ class PallasOptions:
     select_blocks: Optional[kernels.SelectBlocksBlockSizes] = None
     selected_blocks: Optional[kernels.SelectedAttentionBlockSizes] = None
     decode_blocks: Optional[kernels.DecodeBlockSizes] = None
+    window_blocks: Optional[kernels.WindowAttentionBlockSizes] = None
     compressed_cudnn: bool = True
+    window_cudnn: bool = True
     fa3: bool = True
     cudnn_kernel: bool = True
 
@@ -70,14 +83,19 @@ class PallasOptions:
 DEFAULT_OPTIONS = PallasOptions()
 
 
+def _fused_takes(options: PallasOptions, q, k, v) -> bool:
+    """Whether FA-3 or cuDNN's kernel runs a fused branch here (see the module docstring)."""
+    arch = profiles.current()
+    return (not options.resolve_interpret() and q.shape[-1] <= arch.cudnn_max_head_dim
+            and cudnn.fused_takes(q, k, v, fa3=options.fa3 and arch.fa3,
+                                  cudnn_kernel=options.cudnn_kernel))
+
+
 def compressed_attention(q, k_cmp, v_cmp, cfg: NSAConfig, *, scale, return_lse,
                          options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
-    arch = profiles.current()
-    fa3 = options.fa3 and arch.fa3
-    if (options.compressed_cudnn and not options.resolve_interpret()
-            and q.shape[-1] <= arch.cudnn_max_head_dim
-            and cudnn.fused_takes(q, k_cmp, v_cmp, fa3=fa3, cudnn_kernel=options.cudnn_kernel)):
+    fa3 = options.fa3 and profiles.current().fa3
+    if options.compressed_cudnn and _fused_takes(options, q, k_cmp, v_cmp):
         try:
             o, lse = cudnn.compressed_attention(
                 q, k_cmp, v_cmp, cfg, scale=scale,
@@ -102,6 +120,20 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
         q, k_cmp, lse, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
         sel_block=cfg.sel_block, n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local,
         scale=scale, block_sizes=options.select_blocks, interpret=options.resolve_interpret())
+
+
+def sliding_window_attention(q, k, v, *, window, scale,
+                             options: Optional[PallasOptions] = None):
+    options = options or DEFAULT_OPTIONS
+    if options.window_cudnn and _fused_takes(options, q, k, v):
+        try:
+            return cudnn.window_attention(q, k, v, window=window, scale=scale,
+                                          fa3=options.fa3 and profiles.current().fa3)
+        except (ValueError, NotImplementedError, RuntimeError):
+            pass  # this cuDNN build refuses the shapes: the kernel takes them
+    return kernels.window_attention(q, k, v, window=window, scale=scale,
+                                    block_sizes=options.window_blocks,
+                                    interpret=options.resolve_interpret())
 
 
 def selected_attention(q, k, v, block_idx, *, block_size, scale,
@@ -200,6 +232,7 @@ def register() -> None:
     register_backend("compressed_attention", "pallas", compressed_attention)
     register_backend("select_blocks", "pallas", select_blocks)
     register_backend("selected_attention", "pallas", selected_attention)
+    register_backend("sliding_window_attention", "pallas", sliding_window_attention)
     register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
     register_backend("decode_select_blocks", "pallas", decode_select_blocks)
     register_backend("decode_compressed_select", "pallas", decode_compressed_select)

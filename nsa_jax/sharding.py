@@ -213,11 +213,12 @@ def local_config(cfg: NSAConfig, mesh: Mesh, axes: MeshAxes) -> NSAConfig:
 def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[dict]:
     """The options the branches get inside `shard_map`: as given, but with more than one device
     cuDNN's own fused kernel is off (`cudnn_kernel` of both backends' options): the window and
-    compressed branches run on FlashAttention-3 where it takes them, else on the chunked XLA
-    path and the Pallas kernel. With jax 0.11.2 on 2 H100s, XLA's compilation of the layer's
-    *gradient* segfaults whenever cuDNN's kernel runs either branch inside a `shard_map` over
-    several devices (data or model axis; bf16; the forward compiles, a one-device mesh works,
-    and so does cuDNN's attention alone in a `shard_map`): scripts/repro_cudnn_shard_map.py reproduces it."""
+    compressed branches run on FlashAttention-3 where it takes them, else on the Pallas window
+    and compressed kernels (backend "pallas") or the chunked XLA paths ("xla"). With jax
+    0.11.2 on 2 H100s, XLA's compilation of the layer's *gradient* segfaults whenever cuDNN's
+    kernel runs either branch inside a `shard_map` over several devices (data or model axis;
+    bf16; the forward compiles, a one-device mesh works, and so does cuDNN's attention alone in
+    a `shard_map`): scripts/repro_cudnn_shard_map.py reproduces it."""
     if mesh.size == 1:
         return dict(options) if options else None
     options = dict(options or {})

@@ -1,11 +1,17 @@
 """Block sizes per GPU architecture (`pallas_kernels.profiles`): how a profile is chosen, that
 sm90 keeps the tuned tiles, that every kernel runs its architecture's tiles correctly (interpret
 mode, against the references), that a shape without tiles falls through to XLA, and that the
-tiles of sm80 / sm89 fit their shared memory when compiled for them (`scripts/pallas_ptxas.py`)."""
+tiles of sm80 / sm89 fit their shared memory when compiled for them (`scripts/pallas_ptxas.py`);
+which path (FA-3, cuDNN, the Pallas kernel, XLA) runs the window and compressed branches of
+backend "pallas" per architecture, head size and sharding."""
+import contextlib
 import csv
+import dataclasses
+import importlib
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +20,8 @@ import pytest
 
 from nsa_common import NSAConfig
 from nsa_common.testing import rel_err
-from nsa_jax import dispatch, pallas_backend
+from conftest import enable_x64
+from nsa_jax import dispatch, pallas_backend, sharding
 from pallas_kernels import decode, profiles
 from pallas_kernels.compressed_attention import (FLOAT32_BLOCK_SIZES, compressed_attention,
                                                  compressed_attention_reference)
@@ -227,3 +234,114 @@ def test_every_kernel_fits(arch, tmp_path):
     _needs_triton()
     rows = _compile("all", arch, "128/128,192/128,256/256,128/256", tmp_path)
     _check(rows, 4 * 18)   # 18 kernels a head size
+
+
+# ----------------------------------------------------------------------------------------------
+# Which path runs the window and compressed branches of backend "pallas"
+#
+# On a CPU the fused paths never open (no GPU), so each is replaced by a recorder: cuDNN's gate
+# opens for bfloat16 up to the profile's head-size limit, FA-3 is "installed", and the calls
+# are recorded at the last step of each path (FA-3's primitive, cuDNN's attention, the Pallas
+# kernels' jitted call after every check of their wrappers). No recorder called: XLA's chunked
+# path ran.
+
+WINDOW_MODULE = importlib.import_module("pallas_kernels.window_attention")
+COMPRESSED_MODULE = importlib.import_module("pallas_kernels.compressed_attention")
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """The list each path appends its name to ("fa3", "cudnn", "pallas")."""
+    from nsa_jax.xla import cudnn
+
+    taken = []
+
+    def fa3_forward(q, k, v, **kw):
+        taken.append("fa3")
+        B, S, N, _ = q.shape
+        return jnp.zeros((B, S, N, v.shape[-1]), q.dtype), jnp.zeros((B, N, S), jnp.float32)
+
+    def cudnn_attention(q, k, v, scale, *, window, residual, mla):
+        taken.append("cudnn")
+        o = jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+        return (o, jnp.zeros(q.shape[:3], jnp.float32)) if residual else o
+
+    def kernel(q, *args):
+        taken.append("pallas")
+        return jnp.zeros(q.shape[:3] + args[1].shape[-1:], q.dtype), jnp.zeros(q.shape[:3])
+
+    monkeypatch.setattr(cudnn, "_fa3_ops", lambda: (fa3_forward, None))
+    monkeypatch.setattr(cudnn, "takes", lambda q, k, v: (q.dtype == jnp.bfloat16
+                                                         and q.shape[-1] <= cudnn.max_head_dim()))
+    monkeypatch.setattr(cudnn, "_cudnn_attention", cudnn_attention)
+    monkeypatch.setattr(WINDOW_MODULE, "_window_attention_jit", kernel)
+    monkeypatch.setattr(COMPRESSED_MODULE, "_compressed_attention_jit", kernel)
+    return taken
+
+
+# Inside a `shard_map` over 2 devices: the options `nsa_jax.sharding` gives the branches.
+SHARD_MAP = sharding.body_options(None, types.SimpleNamespace(size=2))
+
+
+@pytest.mark.parametrize("profile, d_k, d_v, options, path", [
+    ("sm90", 128, 128, None, "fa3"),
+    ("sm90", 128, 128, SHARD_MAP, "fa3"),          # FA-3 stays preferred where it serves
+    ("sm90", 192, 128, None, "cudnn"),             # FA-3 takes heads up to 128
+    ("sm90", 192, 128, SHARD_MAP, "pallas"),
+    ("sm90", 128, 128, {"pallas": pallas_backend.PallasOptions(fa3=False)}, "cudnn"),
+    ("sm90", 128, 128, {"pallas": pallas_backend.PallasOptions(window_cudnn=False,
+                                                               compressed_cudnn=False)},
+     "pallas"),
+    ("sm89", 128, 128, None, "cudnn"),             # FA-3 installed, never chosen off sm90
+    ("sm89", 128, 128, SHARD_MAP, "pallas"),
+    ("sm89", 192, 128, None, "pallas"),            # cuDNN takes heads up to 128 off sm90
+    ("sm86", 64, 64, SHARD_MAP, "pallas"),
+    ("sm80", 192, 128, None, "pallas"),
+    ("sm80", 128, 128, None, "cudnn"),
+])
+def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profile, d_k, d_v,
+                                                       options, path):
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    options = {"pallas": pallas_backend.PallasOptions(interpret=False), **(options or {})}
+    options["pallas"] = dataclasses.replace(options["pallas"], interpret=False)
+    rng = np.random.default_rng(3)
+    q = _normal(rng, 1, 32, 4, d_k)
+    k, v = _normal(rng, 1, 32, 2, d_k), _normal(rng, 1, 32, 2, d_v)
+    dispatch.call("sliding_window_attention", "pallas", q, k, v, window=8, scale=0.1,
+                  options=options)
+    cfg = CFG.replace(d_k=d_k, d_v=d_v)
+    k_cmp, v_cmp = k[:, :7], v[:, :7]
+    dispatch.call("compressed_attention", "pallas", q, k_cmp, v_cmp, cfg, scale=0.1,
+                  return_lse=True, options=options)
+    assert paths == [path, path]
+
+
+@pytest.mark.parametrize("why, profile, d_k, dtype, packed", [
+    ("no sm89 tiles", "sm89", 320, jnp.bfloat16, False),
+    ("float64", "sm90", 64, jnp.float64, False),
+    ("packed sequences", "sm90", 64, jnp.bfloat16, True),
+])
+def test_window_falls_through_to_xla_with_a_reason(monkeypatch, paths, why, profile, d_k,
+                                                  dtype, packed):
+    """The Pallas adapter declines (NotImplementedError, its reason) or, for packed sequences,
+    is never asked (registered packed=False): the banded XLA path runs, exactly."""
+    from nsa_jax.segments import from_cu_seqlens
+
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    options = {"pallas": pallas_backend.PallasOptions(interpret=False)}
+    rng = np.random.default_rng(4)
+    with enable_x64() if dtype == jnp.float64 else contextlib.nullcontext():
+        q = _normal(rng, 1, 24, 4, d_k, dtype=dtype)
+        k, v = _normal(rng, 1, 24, 2, d_k, dtype=dtype), _normal(rng, 1, 24, 2, d_k, dtype=dtype)
+        segments = from_cu_seqlens(jnp.array([0, 10, 24], jnp.int32), 24, CFG) if packed else None
+        if not packed:
+            with pytest.raises(NotImplementedError, match=why):
+                pallas_backend.sliding_window_attention(q, k, v, window=5, scale=0.1,
+                                                        options=options["pallas"])
+        o = dispatch.call("sliding_window_attention", "pallas", q, k, v, window=5, scale=0.1,
+                          segments=segments, options=options)
+        want = dispatch.call("sliding_window_attention", "xla", q, k, v, window=5, scale=0.1,
+                             segments=segments)
+        assert o.dtype == dtype
+    assert paths == []
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(want))

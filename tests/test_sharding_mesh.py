@@ -80,8 +80,9 @@ def test_layer_matches_unsharded(x64, reference, sizes):
 
 @pytest.mark.slow
 def test_pallas_layer_matches_unsharded():
-    """Pallas compressed attention, selection and selected attention (interpret mode) inside
-    shard_map over data x model, forward and gradients, against the unsharded XLA layer."""
+    """Pallas compressed attention, selection, selected and window attention (interpret mode)
+    inside shard_map over data x model, forward and gradients, against the unsharded XLA
+    layer."""
     params, x = make_inputs(CFG, B, T, jnp.float32, seed=3)
     y_ref, aux_ref, grads_ref = loss_and_grads(
         lambda p, x: nsa_jax.nsa_attention(p, x, CFG, return_aux=True), params, x)
