@@ -103,13 +103,14 @@ _SM90 = {
     "decode": {"16bit": ((_ANY, DecodeBlockSizes()),)},
     # Sliding window (not yet timed): the defaults up to d 128; at d_k 192 half the dk/dv rows
     # (64 spilled 692 B); at 256 half the forward and dq rows (dq: 262,144 B otherwise) and
-    # 32-key dk/dv tiles from transposed scores (the other forms spilled 1.7-3.7 KB).
+    # 32-key dk/dv tiles from transposed scores (the other forms spilled 1.7-3.7 KB). Wider
+    # heads were never compiled: they decline (cuDNN or XLA runs them).
     "window": {"16bit": ((256, WindowBlockSizes()), (384, WindowBlockSizes(block_q_dkv=32)),
-                         (_ANY, WindowBlockSizes(block_q=64, block_q_dq=64, block_kv_dkv=32,
-                                                 dkv_transposed=True))),
+                         (512, WindowBlockSizes(block_q=64, block_q_dq=64, block_kv_dkv=32,
+                                                dkv_transposed=True))),
                "float32": ((256, FLOAT32_WINDOW_BLOCK_SIZES),
-                           (_ANY, dataclasses.replace(FLOAT32_WINDOW_BLOCK_SIZES,
-                                                      block_q_dq=32)))},
+                           (512, dataclasses.replace(FLOAT32_WINDOW_BLOCK_SIZES,
+                                                     block_q_dq=32)))},
 }
 
 # sm86 / sm89 (101,376 B a block) and sm80 (166,912 B): Ampere and Ada have no wgmma, so the
