@@ -181,6 +181,10 @@ class ModelConfig:
     n_layers: int = 2
     mlp_ratio: int = 4
     backend: tuple = ("xla",)
+    # The "full" / "window" models' kernel: None (`jax.nn.dot_product_attention`'s default),
+    # "xla" or "cudnn" (its `implementation`), or "fa3" (`flash_attn3_jax.flash_mha`, bf16 /
+    # fp16 on Hopper). cuDNN and FA-3 take d_v = d_k only.
+    dense_kernel: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,7 +359,13 @@ def dense_attention(attn: dict, x: jax.Array, mc: ModelConfig) -> jax.Array:
     v = (x @ attn["wv"]).reshape(B, T, cfg.n_kv_heads, cfg.d_v)
     # (w - 1, 0): query t sees keys t-w+1 .. t, NSA's window branch exactly.
     window = (cfg.window - 1, 0) if mc.attention == "window" else None
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
+    if mc.dense_kernel == "fa3":
+        from flash_attn3_jax import flash_mha
+
+        o = flash_mha(q, k, v, is_causal=True, window_size=window or (-1, -1))
+    else:
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
+                                         implementation=mc.dense_kernel)
     return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ attn["wo"]
 
 

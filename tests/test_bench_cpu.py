@@ -15,7 +15,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from bench import bench_decode, bench_prefill, common, summarize_decode_csv
+from bench import bench_decode, bench_prefill, bench_train_step, common, summarize_decode_csv
 from nsa_common import NSAConfig, decode_read_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,7 +277,7 @@ def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
 
 NSA_SCRIPTS = ("bench_prefill", "bench_decode", "breakdown_prefill", "bench_selection",
                "bench_compressed", "bench_torch_paths", "bench_scaling", "memory_layer",
-               "profile_decode")
+               "profile_decode", "bench_train_step")
 
 
 def test_every_script_takes_the_nsa_settings_alike():
@@ -524,3 +524,106 @@ def test_failure_status_of_an_isolated_row():
     assert common.failure_status(common.TIMEOUT) == common.TIMEOUT
     assert common.failure_status("worker exit 1: Traceback") == common.ERROR
     assert common.failure_status(None) == common.ERROR
+
+
+TINY_TRAIN = ["--device", "cpu", "--preset", "tiny", "--dv", "16", "--T_list", "64",
+              "--layers", "1", "--dtype", "float32", "--iters", "1", "--warmup", "1",
+              "--repeats", "1"]
+
+
+def test_train_step_cpu_full_attention_row(tmp_path, cpu_env, capsys):
+    """The full-attention step runs (the example's train_step: a time, a compile time, XLA's
+    peak), the GPU-only rows say why they were skipped, the latest CSV names the commit, and the
+    table is printed."""
+    out = tmp_path / "train_step"
+    code = bench_train_step.main(TINY_TRAIN + ["--rows", "fa3_full,xla_full,cudnn_full",
+                                               "--isolate", "none", "--out", str(out)])
+    assert code == 0
+    columns, records = _read(out / "train_step.csv")
+    assert columns == bench_train_step.COLUMNS
+    by = {r["row"]: r for r in records}
+    assert list(by) == ["cudnn_full", "fa3_full", "xla_full"]  # the run order, T 64 each
+    full = by["xla_full"]
+    assert full["status"] == "ok", full
+    assert float(full["ms"]) > 0 and float(full["compile_s"]) > 0 and float(full["peak_mb"]) > 0
+    assert float(full["speedup"]) == pytest.approx(1.0) and full["baseline"] == "xla_full"
+    assert full["impl"].startswith("train_recall.train_step")
+    for row in ("cudnn_full", "fa3_full"):
+        assert by[row]["status"] == "skipped" and "needs a GPU" in by[row]["note"]
+    columns, latest = _read(out / "train_step_latest.csv")
+    assert columns == bench_train_step.LATEST_COLUMNS
+    assert {r["commit"] for r in latest} == {"testcommit"}
+    assert [r["status"] for r in latest] == ["skipped: cudnn_full needs a GPU",
+                                             "skipped: fa3_full needs a GPU", ""]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-5].split()[:4] == ["row", "T", "ms", "kl_share"]
+
+
+def test_train_step_rows_in_their_own_processes(tmp_path, cpu_env):
+    """--isolate row (the default): each row's records come back from its own process."""
+    code = bench_train_step.main(TINY_TRAIN + ["--rows", "cudnn_full,fa3_full", "--T_list",
+                                               "64,128", "--out", str(tmp_path)])
+    assert code == 0
+    _, records = _read(tmp_path / "train_step.csv")
+    assert [(r["row"], r["T"], r["status"]) for r in records] == [
+        ("cudnn_full", "64", "skipped"), ("cudnn_full", "128", "skipped"),
+        ("fa3_full", "64", "skipped"), ("fa3_full", "128", "skipped")]
+    assert all("needs a GPU" in r["note"] for r in records)
+
+
+def test_train_step_alignment_share_and_speedup():
+    """kl_share = (ms - nsa's ms) / ms at the same T; the speed-up is against FA-3, else cuDNN."""
+    def record(row, T, ms):
+        return {"row": row, "T": T, "status": "ok", "ms": ms}
+
+    records = [record("nsa", 8192, 40.0), record("nsa_kl_dense", 8192, 50.0),
+               record("nsa_kl_sparse", 16384, 90.0), record("cudnn_full", 8192, 60.0),
+               record("fa3_full", 8192, 55.0), record("cudnn_full", 16384, 180.0),
+               dict(record("nsa", 16384, None), status="oom")]
+    bench_train_step.add_derived(records)
+    by = {(r["row"], r["T"]): r for r in records}
+    assert by[("nsa_kl_dense", 8192)]["kl_share"] == pytest.approx(0.2)
+    assert "kl_share" not in by[("nsa_kl_sparse", 16384)]  # no nsa figure at 16k
+    assert by[("nsa", 8192)]["speedup"] == pytest.approx(55 / 40)
+    assert by[("nsa", 8192)]["baseline"] == "fa3_full"
+    assert by[("nsa_kl_sparse", 16384)]["speedup"] == pytest.approx(2.0)
+    assert by[("nsa_kl_sparse", 16384)]["baseline"] == "cudnn_full"
+    assert "speedup" not in by[("nsa", 16384)]
+
+
+def test_train_step_budget_keeps_time_for_the_rows_after(tmp_path, cpu_env, monkeypatch):
+    """--budget_s: a row's process may use the budget left less the reserve of each row after
+    it; a row whose process ran out of time is recorded "timeout" at every T it did not finish."""
+    timeouts = []
+
+    def fake_worker(script, argv, row, timeout_s, tmp_dir):
+        timeouts.append(timeout_s)
+        return [], "timeout"
+
+    monkeypatch.setattr(bench_train_step.common, "run_row_subprocess", fake_worker)
+    code = bench_train_step.main(TINY_TRAIN + ["--rows", "cudnn_full,fa3_full,xla_full",
+                                               "--T_list", "64,128", "--budget_s", "100",
+                                               "--out", str(tmp_path)])
+    assert code == 0
+    reserve = bench_train_step.ROW_RESERVE_S
+    assert timeouts == pytest.approx([100 - 2 * reserve, 100 - reserve, 100], abs=5)
+    _, records = _read(tmp_path / "train_step.csv")
+    assert len(records) == 6 and {r["status"] for r in records} == {"timeout"}
+
+
+@pytest.mark.slow
+def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
+    """The NSA rows (XLA backend on a CPU): without and with the alignment loss, both modes; the
+    alignment rows carry their share of the step and a finite loss."""
+    out = tmp_path / "train_step_nsa"
+    rows = ["nsa", "nsa_kl_sparse", "nsa_kl_dense"]
+    code = bench_train_step.main(TINY_TRAIN + ["--rows", ",".join(rows), "--isolate", "none",
+                                               "--out", str(out)])
+    assert code == 0
+    _, records = _read(out / "train_step.csv")
+    assert [r["row"] for r in records] == rows
+    for r in records:
+        assert r["status"] == "ok" and r["note"] == "", r
+        assert r["backend"] == "xla" and float(r["ms"]) > 0
+    assert [r["kl_mode"] for r in records] == ["", "sparse", "dense"]
+    assert all(r["kl_share"] != "" for r in records[1:])
