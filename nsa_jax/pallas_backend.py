@@ -11,7 +11,9 @@ The two branches that fused attention can run (compressed and window) take, in o
 FlashAttention-3 where it takes the shapes (sm90 profile, head dims <= 128, `flash_attn3_jax`
 installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`, off inside a multi-device
 `shard_map`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
-XLA's chunked paths run only where a kernel declines.
+XLA's chunked paths run only where a kernel declines. The window kernel is opt-in
+(`PallasOptions.window_kernel`): by default this adapter declines the window and backend
+`"xla"` runs it (FA-3, cuDNN or its chunked path, by `options["xla"]`).
 
 Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select` (the compressed
 kernel, a selection kernel that turns its scores into the blocks' scores: head sums, overlap
@@ -56,10 +58,19 @@ class PallasOptions:
     the 128 it takes on an RTX 4090).
     cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
     Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
-    window_cudnn: the same choice for the window branch: FA-3 (`fa3`) or cuDNN's
-    `local_window_size` (`cudnn_kernel`) where they take the shapes, else the Pallas window
-    kernel; False runs the kernel (whose lse is available to callers of
-    `pallas_kernels.window_attention`).
+    window_kernel: run the window branch on this backend: FA-3 or cuDNN as below, else the
+    Pallas window kernel (`pallas_kernels.window_attention`, O(T w) time and memory). Off
+    (default), the adapter declines the window and backend `"xla"` runs it as it would alone
+    (FA-3 / cuDNN where `options["xla"]` allows them and they take the shapes, else its chunked
+    path); `window_cudnn` and `window_blocks` then go unused. Off until it is measured faster
+    than the paths it would replace: on an H100 with `NSA_PROFILE=sm89` at 32k (d_k 192, the
+    core on this backend) it took 35.44 ms forward and 226.5 ms forward+backward, against
+    20.98 / 64.94 ms before it and the sm89 tiles existed (docs/GPU.md, section 5). It is the
+    route to 64k on a 24 GB card, where XLA's chunked window runs out of memory (not measured).
+    window_cudnn: with `window_kernel`, the same choice as `compressed_cudnn` for the window
+    branch: FA-3 (`fa3`) or cuDNN's `local_window_size` (`cudnn_kernel`) where they take the
+    shapes, else the Pallas window kernel; False runs the kernel (whose lse is available to
+    callers of `pallas_kernels.window_attention`).
     window_blocks: the window kernel's tiles (None: the architecture's).
     """
 
@@ -70,6 +81,7 @@ class PallasOptions:
     decode_blocks: Optional[kernels.DecodeBlockSizes] = None
     window_blocks: Optional[kernels.WindowAttentionBlockSizes] = None
     compressed_cudnn: bool = True
+    window_kernel: bool = False
     window_cudnn: bool = True
     fa3: bool = True
     cudnn_kernel: bool = True
@@ -125,6 +137,10 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
 def sliding_window_attention(q, k, v, *, window, scale,
                              options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
+    if not options.window_kernel:
+        raise NotImplementedError("the Pallas window kernel is opt-in "
+                                  "(PallasOptions.window_kernel=False): the window runs on "
+                                  "backend 'xla'")
     if options.window_cudnn and _fused_takes(options, q, k, v):
         try:
             return cudnn.window_attention(q, k, v, window=window, scale=scale,

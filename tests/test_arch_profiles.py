@@ -283,37 +283,80 @@ def paths(monkeypatch):
 SHARD_MAP = sharding.body_options(None, types.SimpleNamespace(size=2))
 
 
-@pytest.mark.parametrize("profile, d_k, d_v, options, path", [
-    ("sm90", 128, 128, None, "fa3"),
-    ("sm90", 128, 128, SHARD_MAP, "fa3"),          # FA-3 stays preferred where it serves
-    ("sm90", 192, 128, None, "cudnn"),             # FA-3 takes heads up to 128
-    ("sm90", 192, 128, SHARD_MAP, "pallas"),
-    ("sm90", 128, 128, {"pallas": pallas_backend.PallasOptions(fa3=False)}, "cudnn"),
+# profile, head dims, options; the path of both branches with `window_kernel` on; the window's
+# path by default, which is backend "xla"'s (None: its chunked path, no recorder called).
+ROUTES = ("profile, d_k, d_v, options, path, xla_window", [
+    ("sm90", 128, 128, None, "fa3", "fa3"),
+    ("sm90", 128, 128, SHARD_MAP, "fa3", "fa3"),      # FA-3 stays preferred where it serves
+    ("sm90", 192, 128, None, "cudnn", "cudnn"),       # FA-3 takes heads up to 128
+    ("sm90", 192, 128, SHARD_MAP, "pallas", None),
+    # by default the window follows options["xla"], whose fa3 is on
+    ("sm90", 128, 128, {"pallas": pallas_backend.PallasOptions(fa3=False)}, "cudnn", "fa3"),
     ("sm90", 128, 128, {"pallas": pallas_backend.PallasOptions(window_cudnn=False,
                                                                compressed_cudnn=False)},
-     "pallas"),
-    ("sm89", 128, 128, None, "cudnn"),             # FA-3 installed, never chosen off sm90
-    ("sm89", 128, 128, SHARD_MAP, "pallas"),
-    ("sm89", 192, 128, None, "pallas"),            # cuDNN takes heads up to 128 off sm90
-    ("sm86", 64, 64, SHARD_MAP, "pallas"),
-    ("sm80", 192, 128, None, "pallas"),
-    ("sm80", 128, 128, None, "cudnn"),
+     "pallas", "fa3"),
+    ("sm89", 128, 128, None, "cudnn", "cudnn"),       # FA-3 installed, never chosen off sm90
+    ("sm89", 128, 128, SHARD_MAP, "pallas", None),
+    ("sm89", 192, 128, None, "pallas", None),         # cuDNN takes heads up to 128 off sm90
+    ("sm86", 64, 64, SHARD_MAP, "pallas", None),
+    ("sm80", 192, 128, None, "pallas", None),
+    ("sm80", 128, 128, None, "cudnn", "cudnn"),
 ])
-def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profile, d_k, d_v,
-                                                       options, path):
-    monkeypatch.setenv("NSA_PROFILE", profile)
-    options = {"pallas": pallas_backend.PallasOptions(interpret=False), **(options or {})}
-    options["pallas"] = dataclasses.replace(options["pallas"], interpret=False)
+
+
+def _compiled(options, **pallas):
+    """`options` with the Pallas kernels compiled (not interpreted) and `pallas` set."""
+    options = {"pallas": pallas_backend.PallasOptions(), **(options or {})}
+    options["pallas"] = dataclasses.replace(options["pallas"], interpret=False, **pallas)
+    return options
+
+
+def _routing_inputs(d_k, d_v):
     rng = np.random.default_rng(3)
     q = _normal(rng, 1, 32, 4, d_k)
-    k, v = _normal(rng, 1, 32, 2, d_k), _normal(rng, 1, 32, 2, d_v)
+    return q, _normal(rng, 1, 32, 2, d_k), _normal(rng, 1, 32, 2, d_v)
+
+
+def _compressed(q, k, v, options):
+    cfg = CFG.replace(d_k=q.shape[-1], d_v=v.shape[-1])
+    dispatch.call("compressed_attention", "pallas", q, k[:, :7], v[:, :7], cfg, scale=0.1,
+                  return_lse=True, options=options)
+
+
+@pytest.mark.parametrize(*ROUTES)
+def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profile, d_k, d_v,
+                                                       options, path, xla_window):
+    """With `window_kernel` on, the window takes the compressed branch's path."""
+    del xla_window
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    options = _compiled(options, window_kernel=True)
+    q, k, v = _routing_inputs(d_k, d_v)
     dispatch.call("sliding_window_attention", "pallas", q, k, v, window=8, scale=0.1,
                   options=options)
-    cfg = CFG.replace(d_k=d_k, d_v=d_v)
-    k_cmp, v_cmp = k[:, :7], v[:, :7]
-    dispatch.call("compressed_attention", "pallas", q, k_cmp, v_cmp, cfg, scale=0.1,
-                  return_lse=True, options=options)
+    _compressed(q, k, v, options)
     assert paths == [path, path]
+
+
+@pytest.mark.parametrize(*ROUTES)
+def test_window_runs_on_xla_by_default(monkeypatch, paths, profile, d_k, d_v, options, path,
+                                       xla_window):
+    """`window_kernel` off (default): the adapter declines, naming the option, and backend
+    "xla" runs the window as it does alone (same path, same bits); the window kernel is never
+    called, and the compressed branch's path is unchanged."""
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    options = _compiled(options)
+    q, k, v = _routing_inputs(d_k, d_v)
+    with pytest.raises(NotImplementedError, match="window_kernel"):
+        pallas_backend.sliding_window_attention(q, k, v, window=8, scale=0.1,
+                                                options=options["pallas"])
+    o = dispatch.call("sliding_window_attention", "pallas", q, k, v, window=8, scale=0.1,
+                      options=options)
+    want = dispatch.call("sliding_window_attention", "xla", q, k, v, window=8, scale=0.1,
+                         options=options)
+    _compressed(q, k, v, options)
+    window_paths = [xla_window, xla_window] if xla_window else []   # backend "pallas", "xla"
+    assert paths == window_paths + [path]
+    np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("why, profile, d_k, dtype, packed", [
@@ -324,12 +367,13 @@ def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profi
 ])
 def test_window_falls_through_to_xla_with_a_reason(monkeypatch, paths, why, profile, d_k,
                                                   dtype, packed):
-    """The Pallas adapter declines (NotImplementedError, its reason) or, for packed sequences,
-    is never asked (registered packed=False): the banded XLA path runs, exactly."""
+    """With `window_kernel` on, the Pallas adapter declines (NotImplementedError, its reason)
+    or, for packed sequences, is never asked (registered packed=False): the banded XLA path
+    runs, exactly."""
     from nsa_jax.segments import from_cu_seqlens
 
     monkeypatch.setenv("NSA_PROFILE", profile)
-    options = {"pallas": pallas_backend.PallasOptions(interpret=False)}
+    options = _compiled(None, window_kernel=True)
     rng = np.random.default_rng(4)
     with enable_x64() if dtype == jnp.float64 else contextlib.nullcontext():
         q = _normal(rng, 1, 24, 4, d_k, dtype=dtype)

@@ -181,7 +181,8 @@ def test_pallas_alone_means_pallas_then_xla():
 
 
 def test_core_pallas_backend_matches_xla():
-    """Compression runs on XLA, the rest on the Pallas kernels (interpret mode)."""
+    """Compression and the window run on XLA, the rest on the Pallas kernels (interpret
+    mode)."""
     cfg = NSAConfig.tiny(n_sel=3)
     q, k, v, gates, cmp_params = core_inputs(cfg, 1, 17, jnp.float32, shared=False, seed=7)
     run = lambda backend: nsa_jax.native_sparse_attention(

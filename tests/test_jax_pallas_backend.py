@@ -48,15 +48,20 @@ def test_layer_gradients_match_xla(case):
         assert rel_err(a, b) <= RTOL_GRAD, jax.tree_util.keystr(path)
 
 
-def test_pallas_alone_runs_compression_on_xla_and_the_window_on_its_kernel(case):
-    """`"pallas"` has no compression kernel: it falls back to XLA for it. The window runs on
-    the Pallas window kernel (interpret mode here) and agrees with XLA's banded path."""
+def test_pallas_alone_runs_compression_and_the_window_on_xla(case):
+    """`"pallas"` has no compression kernel and its window kernel is opt-in: both fall back to
+    XLA, bit for bit. With `window_kernel` the window runs on the Pallas window kernel
+    (interpret mode here) and agrees with XLA's banded path."""
     cfg, params, x = case
     k = jax.random.normal(jax.random.PRNGKey(4), (1, 20, cfg.n_kv_heads, cfg.d_k))
     np.testing.assert_array_equal(nsa_jax.compress_kv(k, params["cmp_k"], cfg, backend="pallas"),
                                   nsa_jax.compress_kv(k, params["cmp_k"], cfg))
-    assert rel_err(nsa_jax.sliding_window_attention(k, k, k, 5, backend="pallas"),
-                   nsa_jax.sliding_window_attention(k, k, k, 5)) <= RTOL_OUT
+    want = nsa_jax.sliding_window_attention(k, k, k, 5)
+    np.testing.assert_array_equal(nsa_jax.sliding_window_attention(k, k, k, 5, backend="pallas"),
+                                  want)
+    kernel = {"pallas": nsa_jax.PallasOptions(window_kernel=True)}
+    assert rel_err(nsa_jax.sliding_window_attention(k, k, k, 5, backend="pallas",
+                                                    options=kernel), want) <= RTOL_OUT
 
 
 def test_kernel_level_select_blocks_without_lse(case):

@@ -80,16 +80,18 @@ def test_layer_matches_unsharded(x64, reference, sizes):
 
 @pytest.mark.slow
 def test_pallas_layer_matches_unsharded():
-    """Pallas compressed attention, selection, selected and window attention (interpret mode)
-    inside shard_map over data x model, forward and gradients, against the unsharded XLA
-    layer."""
+    """Pallas compressed attention, selection, selected and window attention (the window
+    kernel opted in; interpret mode) inside shard_map over data x model, forward and gradients,
+    against the unsharded XLA layer."""
     params, x = make_inputs(CFG, B, T, jnp.float32, seed=3)
     y_ref, aux_ref, grads_ref = loss_and_grads(
         lambda p, x: nsa_jax.nsa_attention(p, x, CFG, return_aux=True), params, x)
     mesh, axes = make_mesh(data=2, model=2)
+    options = {"pallas": nsa_jax.PallasOptions(window_kernel=True)}
     y, aux, grads = loss_and_grads(
         lambda p, x: sharding.sharded_nsa_attention(p, x, CFG, mesh, axes=axes,
-                                                    backend=("pallas", "xla"), return_aux=True),
+                                                    backend=("pallas", "xla"), options=options,
+                                                    return_aux=True),
         params, x)
     assert rel_err(y, y_ref) <= F32_TOL
     np.testing.assert_array_equal(aux["block_idx"], aux_ref["block_idx"])
