@@ -20,8 +20,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def run_eight_device_cases(marker: str) -> None:
     """test_sharding_mesh.py's tests selected by `-m marker`, in a subprocess with 8 fake CPU
     devices: all pass, none skips."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                            "-m", marker, os.path.join(HERE, "test_sharding_mesh.py")],
                           cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
