@@ -69,7 +69,19 @@ CPU_CELLS = (
 )
 COLUMNS = ("cell", "preset", "T", "B", "dtype", "jax", "torch", "verdict", "rows", "failing",
            "worst_ratio", "worst_row", "layer_equal", "layer_near_tie", "layer_wrong",
-           "decode_near_tie", "decode_wrong", "seconds", "device")
+           "decode_near_tie", "decode_wrong", "seconds", "device", "commit")
+
+
+def current_commit() -> str:
+    """$COMMIT (a machine without the git history exports it), else the checkout's short hash."""
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def worst_ratio(rows: list[dict]) -> tuple[float, str]:
@@ -140,7 +152,7 @@ def run_cell(index: int, cell: Cell, device: str, out: str, timeout: float) -> d
 def markdown(records: list[dict]) -> str:
     head = ("| preset | T | B | dtype | JAX | torch | verdict | worst error / limit | layer rows: "
             "near-tie / wrong | decode rows: near-tie / wrong |")
-    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|---" * 10 + "|"]
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in records:
         lines.append(f"| {r['preset']} | {r['T']} | {r['B']} | {r['dtype']} | {r['jax']} | "
                      f"{r['torch']} | {r['verdict']} | {r.get('worst_ratio', '-')} | "
@@ -175,12 +187,13 @@ def main(argv=None) -> int:
     except ImportError:  # the progress bar is a nicety
         def tqdm(items, **_):
             return items
-    records = []
+    records, commit = [], current_commit()
     bar = tqdm(list(chosen), desc="parity sweep", unit="cell")
     for i in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(cells[i].label())
-        records.append(run_cell(i, cells[i], args.device, args.out, args.timeout))
+        records.append(dict(run_cell(i, cells[i], args.device, args.out, args.timeout),
+                            commit=commit))
         print(f"  {cells[i].label():<60} {records[-1]['verdict']:<6} "
               f"{records[-1]['seconds']:7.1f} s", flush=True)
         with open(os.path.join(args.out, "parity_sweep.csv"), "w", newline="") as f:
