@@ -809,13 +809,7 @@ def parse_args(argv=None):
     args.S = common.parse_int_list(args.S_list, "--S_list")
     if args.B <= 0:
         raise ValueError(f"--B ({args.B}) must be positive")
-    if args.rows:
-        args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-        unknown = [r for r in args.rows if r not in ROWS]
-        if unknown:
-            raise ValueError(f"--rows has unknown rows {unknown}; known: {list(ROWS)}")
-    else:
-        args.rows = list(DEFAULT_ROWS[args.device])
+    args.rows = common.parse_rows(args.rows, ROWS, DEFAULT_ROWS[args.device])
     return args
 
 

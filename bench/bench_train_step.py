@@ -310,14 +310,8 @@ def parse_args(argv=None):
             raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
     args.backend = tuple((args.backend or ("pallas,xla" if args.device == "gpu" else "xla"))
                          .split(","))
-    if args.rows:
-        args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-        unknown = [r for r in args.rows if r not in ROWS]
-        if unknown:
-            raise ValueError(f"--rows has unknown rows {unknown}; known: {list(ROWS)}")
-        args.rows = [r for r in ROWS if r in args.rows]
-    else:
-        args.rows = list(DEFAULT_ROWS[args.device])
+    chosen = common.parse_rows(args.rows, ROWS, DEFAULT_ROWS[args.device])
+    args.rows = [r for r in ROWS if r in chosen]  # the table's order
     return args
 
 

@@ -110,6 +110,18 @@ def torch_device(args):
     return torch, ("cuda" if args.device == "gpu" else "cpu"), dtype
 
 
+def parse_rows(text, known, default) -> list[str]:
+    """--rows: a comma subset of `known` in the order given, or `default` when empty;
+    ValueError naming the unknown ones."""
+    if not text:
+        return list(default)
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in known]
+    if unknown:
+        raise ValueError(f"--rows has unknown rows {unknown}; known: {list(known)}")
+    return rows
+
+
 def parse_int_list(text: str, name: str) -> list[int]:
     """'8k,16k,65536' -> [8192, 16384, 65536]; a 'k' suffix multiplies by 1024."""
     values = []

@@ -8,6 +8,7 @@ launch a Triton `pallas_call` (compiler parameters under either jax name, and th
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -207,6 +208,16 @@ def check_tile_sizes(block_sizes) -> None:
         if field.name.startswith("block") and (value < MATMUL_MIN or value != next_pow2(value)):
             raise ValueError(f"block_sizes.{field.name} ({value}) must be a power of 2 >= "
                              f"{MATMUL_MIN}")
+
+
+def softmax_scale(scale, d_k: int) -> float:
+    """The softmax scale of a kernel call: `1 / sqrt(d_k)` for None, else `scale` as a float;
+    ValueError for anything but a finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d_k)
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale ({scale!r}) must be a finite float or None")
+    return float(scale)
 
 
 def check_implementation(implementation: str) -> None:

@@ -13,7 +13,6 @@ Layout: BTHD. `q [B, T, H, d_k]`, `k_cmp [B, C, G, d_k]`, `v_cmp [B, C, G, d_v]`
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible
-from pallas_kernels._common import MATMUL_MIN, pad_axis
+from pallas_kernels._common import MATMUL_MIN, pad_axis, softmax_scale
 
 
 # 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
@@ -181,11 +180,7 @@ def check_inputs(q, k_cmp, v_cmp=None, *, cmp_block, cmp_stride, scale=None) -> 
                              f"{k_cmp.shape}")
     if T == 0:
         raise ValueError("q must hold at least one query (T >= 1)")
-    if scale is None:
-        return 1.0 / math.sqrt(d_k)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale ({scale!r}) must be a finite float or None")
-    return float(scale)
+    return softmax_scale(scale, d_k)
 
 
 def reference_mask(T: int, C: int, cmp_block: int, cmp_stride: int, q_offset: int = 0):

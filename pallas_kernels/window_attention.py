@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -35,7 +34,7 @@ from pallas_kernels._common import (LN_2, LOG2_E, MASK, MATMUL_MIN, check_implem
                                     check_kernel_dtype, check_tile_sizes, column_parts, dot,
                                     dot_parts, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
-                                    pallas_call, parts_width, store_cols)
+                                    pallas_call, parts_width, softmax_scale, store_cols)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,11 +466,7 @@ def check_inputs(q, k, v, *, window, scale=None) -> float:
         raise ValueError(f"the heads of q ({H}) must be a multiple of the heads of k ({G})")
     if T == 0:
         raise ValueError("q must hold at least one query (T >= 1)")
-    if scale is None:
-        return 1.0 / math.sqrt(d_k)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale ({scale!r}) must be a finite float or None")
-    return float(scale)
+    return softmax_scale(scale, d_k)
 
 
 def _default_block_sizes(q, v, block_sizes: Optional[BlockSizes]) -> BlockSizes:
