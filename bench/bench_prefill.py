@@ -9,6 +9,8 @@ attention.
 
 Rows (`--rows`, default: every row that can run on the device):
   nsa_jax_pallas       nsa_jax kernel-level functions, backend="pallas", compress="mlp"
+  nsa_jax_pallas_window  the same with the opt-in Pallas window kernel for the window branch
+                       (`PallasOptions(window_kernel=True, window_cudnn=False)`; not a default row)
   nsa_jax_xla          the same with backend="xla" (OOM rows are written as "oom")
   nsa_jax_layer        the whole layer, `nsa_attention` with projections (d_model), Pallas
   nsa_jax_pallas_fla   backend="pallas" in fla-org's configuration (below), shared k/v
@@ -76,11 +78,12 @@ COLUMNS = ["bench", "row", "impl", "pass", "S", "B", "H", "G", "dk", "dv", "dtyp
            "peak_source", "device_peak_mb", "speedup", "baseline", "note", "device", "workload",
            "sel_shared", "sel_jaccard", "sel_tile_union"]
 PASSES = ("fwd", "fwd_bwd")
-ROWS = ("nsa_jax_pallas", "nsa_jax_xla", "nsa_jax_layer", "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
+ROWS = ("nsa_jax_pallas", "nsa_jax_pallas_window", "nsa_jax_xla", "nsa_jax_layer",
+        "nsa_jax_pallas_fla", "nsa_jax_xla_fla", "nsa_torch",
         "nsa_torch_fla", "fla_parallel_nsa", "cudnn_full", "fa3_full", "torch_sdpa_flash",
         "torch_sdpa_cudnn", "xla_full", "projections")
 DEFAULT_ROWS = {
-    "gpu": tuple(r for r in ROWS if r != "xla_full"),
+    "gpu": tuple(r for r in ROWS if r not in ("xla_full", "nsa_jax_pallas_window")),
     "cpu": ("nsa_jax_xla", "nsa_jax_xla_fla", "nsa_torch", "xla_full", "projections"),
 }
 BASELINES = ("fa3_full", "cudnn_full", "torch_sdpa_flash", "torch_sdpa_cudnn", "xla_full")
@@ -163,6 +166,8 @@ def nsa_jax_core(cfg, backend: str, options=None):
         raise Skip(f"nsa_jax not importable ({exc})") from None
     if backend == "pallas":
         label = "nsa_jax.native_sparse_attention backend=pallas (xla where no kernel)"
+        if options:
+            label += f", options {options['pallas']}"
     else:
         label = f"nsa_jax backend={backend}"
 
@@ -236,13 +241,13 @@ def workload_fields(args, cfg, B: int, S: int, selection=None) -> tuple[dict[str
     return fields, block_idx
 
 
-def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str):
+def run_nsa_jax(args, S: int, backend: str, fla_like: bool, row: str, options=None):
     if backend == "pallas" and args.device != "gpu":
         raise Skip("Pallas kernels need a GPU (interpret mode is not a timing)")
     import jax.numpy as jnp
 
     cfg = fla_config(args.cfg) if fla_like else args.cfg
-    core, label = nsa_jax_core(cfg, backend)
+    core, label = nsa_jax_core(cfg, backend, options)
     make = nsa_jax_inputs(cfg, args, S, shared_kv=fla_like)
 
     def own_selection():
@@ -598,8 +603,16 @@ def run_fla(args, S: int, row: str):
     return _torch_time_passes(nsa, make, args, base, device)
 
 
+def _window_kernel_options():
+    """The opt-in Pallas window kernel, run even where FA-3 or cuDNN would take the window."""
+    import nsa_jax
+    return {"pallas": nsa_jax.PallasOptions(window_kernel=True, window_cudnn=False)}
+
+
 ROW_RUNNERS: dict[str, Callable] = {
     "nsa_jax_pallas": lambda a, S, r: run_nsa_jax(a, S, "pallas", False, r),
+    "nsa_jax_pallas_window": lambda a, S, r: run_nsa_jax(a, S, "pallas", False, r,
+                                                         _window_kernel_options()),
     "nsa_jax_xla": lambda a, S, r: run_nsa_jax(a, S, "xla", False, r),
     "nsa_jax_layer": run_nsa_layer,
     "nsa_jax_pallas_fla": lambda a, S, r: run_nsa_jax(a, S, "pallas", True, r),

@@ -176,17 +176,27 @@ def test_bad_inputs_raise_value_error_and_float64_declines():
     (1, 2048, 64, 4, 192, 128, 512),   # the paper's heads and window
     (2, 1000, 16, 4, 64, 32, 100),     # T not a multiple of the tiles
     (1, 300, 4, 4, 128, 128, 512),     # h = 1, window > T
+    (1, 1000, 64, 4, 128, 128, 512),   # the bench preset's heads (h = 16, d 128)
     (1, 777, 6, 2, 96, 80, 33),        # h = 3, d_k in two parts, d_v padded
 ])
 def test_gpu_matches_reference(dtype, case):
+    """float32: within TOL of the float32 reference. bfloat16: the kernel's error against the
+    float32 reference on the same bfloat16 inputs at most twice that of the plain reference run
+    in bfloat16 (docs/NSA_SPEC.md "Tolerances"), so that a wrong tile shows even where a fixed
+    bound would hide it."""
     B, T, H, G, d_k, d_v, window = case
     q, k, v, do, dlse = make_inputs(4, B, T, H, G, d_k, d_v)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
-    o, lse, grads = outputs_and_grads(window_attention, q, k, v, do, dlse, window=window)
+    got = outputs_and_grads(window_attention, q, k, v, do, dlse, window=window)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    o_ref, lse_ref, grads_ref = outputs_and_grads(window_attention_reference, *f32, do, dlse,
-                                                  window=window)
-    assert rel_err(o, o_ref) <= TOL[dtype]["out"]
-    assert rel_err(lse, lse_ref) <= TOL[dtype]["out"]
-    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-        assert rel_err(g, g_ref) <= TOL[dtype]["grad"], name
+    ref = outputs_and_grads(window_attention_reference, *f32, do, dlse, window=window)
+    plain = outputs_and_grads(window_attention_reference, q, k, v, do, dlse, window=window)
+    flat = lambda out: (out[0], out[1], *out[2])  # noqa: E731
+    for name, x, x_ref, x_plain in zip(("o", "lse", "dq", "dk", "dv"), flat(got), flat(ref),
+                                       flat(plain)):
+        err = float(rel_err(x, x_ref))
+        if dtype == jnp.float32:
+            limit = TOL[dtype]["out" if name in ("o", "lse") else "grad"]
+        else:
+            limit = 2.0 * float(rel_err(x_plain, x_ref)) + 1e-5
+        assert err <= limit, f"{name}: relative error {err:.3g} > {limit:.3g}"
