@@ -23,11 +23,14 @@ PASSES = {"fwd_ms": "forward", "fwd_bwd_ms": "forward+backward"}   # CSV column 
 
 
 def headline(rows: list[dict]) -> tuple[dict, str]:
-    """(panels' series {pass column: {label: [(S, ms), ...]}}, device), from prefill CSV rows."""
+    """(panels' series {pass column: {label: [(S, ms), ...]}}, device), from prefill CSV rows of
+    the random selection workload (a line without a `workload` column holds it)."""
     series = {column: {label: [] for label in ROWS.values()} for column in PASSES}
     devices = set()
     for row in rows:
         if row["row"] not in ROWS or row.get("status", "") not in ("", common.OK):
+            continue
+        if (row.get("workload") or "random") != "random":
             continue
         devices.add(row["device"])
         for column in PASSES:

@@ -65,7 +65,9 @@ class PallasOptions:
     path); `window_cudnn` and `window_blocks` then go unused. Off until it is measured faster
     than the paths it would replace: on an H100 with `NSA_PROFILE=sm89` at 32k (d_k 192, the
     core on this backend) it took 35.44 ms forward and 226.5 ms forward+backward, against
-    20.98 / 64.94 ms before it and the sm89 tiles existed (docs/GPU.md, section 5). It is the
+    20.98 / 64.94 ms before it and the sm89 tiles existed (docs/GPU.md, section 5); on an H100
+    with sm90's tiles (d 128, 64k) the core took 39.86 / 120.0 ms against 38.00 / 111.3 with
+    FA-3's window (bench/RESULTS.md, "The Pallas window kernel"). It is the
     route to 64k on a 24 GB card, where XLA's chunked window runs out of memory (not measured).
     window_cudnn: with `window_kernel`, the same choice as `compressed_cudnn` for the window
     branch: FA-3 (`fa3`) or cuDNN's `local_window_size` (`cudnn_kernel`) where they take the
