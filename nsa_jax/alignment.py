@@ -40,13 +40,16 @@ covering every block: the layer then selects every eligible block (the selected 
 causal attention) while the ranking learns from this loss; afterwards the layer runs with its own
 `cfg` (the sparse stage) and the loss stays on (docs/API.md, "Selection alignment").
 
-Cost. The target is computed per chunk of `q_chunk` queries, looping over tiles of `kv_blocks`
-selection blocks of keys: scores `[B, q_chunk, H, kv_blocks * l_sel]` at a time, per-block
-log-sum-exps, and the result `[B, T, G, K]` (K = ceil(T / l_sel) dense, n_sel sparse): memory
-O(T * K), never `[T, T]`. Work: dense, the score half of causal attention (T^2 H d_k / 2
-multiply-adds; the key tiles past a chunk's last query are skipped); sparse, that of the
-selected branch (T n_sel l_sel H d_k). The importance p is the compressed attention `[B, q_chunk,
-H, C]` per chunk, recomputed in the backward pass.
+Cost. Dense: the target is computed here per chunk of `q_chunk` queries, looping over tiles of
+`kv_blocks` selection blocks of keys: scores `[B, q_chunk, H, kv_blocks * l_sel]` at a time,
+per-block log-sum-exps, and the result `[B, T, G, K]` (K = ceil(T / l_sel)): memory O(T * K),
+never `[T, T]`; work, the score half of causal attention (T^2 H d_k / 2 multiply-adds; the key
+tiles past a chunk's last query are skipped). Sparse: the target's per-slot masses come from the
+dispatch entry `selected_block_mass` (T n_sel l_sel H d_k multiply-adds, the selected branch's
+score half): on `backend="pallas"` one Pallas kernel that reads each selected block's keys once
+per (token, group) and gathers nothing (`pallas_kernels.selected_block_mass`); on XLA, chunks
+that gather the keys as above (packed sequences always take XLA). The importance p is the
+compressed attention `[B, q_chunk, H, C]` per chunk, recomputed in the backward pass.
 
 Numerics. Scores and softmax in float32 (float64 for float64 inputs), and both distributions
 in log space: a block's mass never underflows to a log of 0, and where the compressed attention
@@ -71,8 +74,8 @@ from jax import lax
 from nsa_common import NSAConfig, num_cmp_blocks, num_sel_blocks, overlap_by_offset
 from nsa_jax import checks, core, dispatch, layer
 from nsa_jax.segments import Segments, from_cu_seqlens, single_sequence
-from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
-                                split_heads)
+from nsa_jax.xla.common import (block_logsumexp, compute_dtype, einsum, map_query_chunks,
+                                masked_softmax, split_heads)
 from nsa_jax.xla.compressed_attention import cmp_block_metadata
 from nsa_jax.xla.selected_attention import gather_tokens
 
@@ -180,8 +183,8 @@ def _loss_unchecked(params, x, cu_seqlens, block_idx, *, cfg: NSAConfig,
                                       lax.stop_gradient(k_cmp), cfg, scale=cfg.scale,
                                       segments=segments, options=options)
         log_target = lax.stop_gradient(target_log_probs(
-            q_fixed, lax.stop_gradient(proj["k_sel"]), cfg, segments=segments,
-            block_idx=block_idx, alignment=alignment))
+            q_fixed, proj["k_sel"], cfg, segments=segments, block_idx=block_idx,
+            alignment=alignment, backend=backend, options=options))
         kl, counted = kl_rows(q_ranked, k_cmp, log_target, cfg, segments=segments,
                               block_idx=block_idx, alignment=alignment)
     n_counted = jnp.sum(counted)
@@ -213,32 +216,47 @@ def _layout(T: int, segments: Optional[Segments], B: int):
                  (segments.pos, segments.start, segments.seg, segments.cmp_offset))
 
 
-def _block_lse(scores: jax.Array, valid: jax.Array, n_blocks: int) -> jax.Array:
-    """scores `[..., n_blocks * l_sel]`, valid (broadcastable) -> the log-sum-exp over each
-    block's valid tokens `[..., n_blocks]` (-inf for a block without any)."""
-    shape = scores.shape[:-1] + (n_blocks, scores.shape[-1] // n_blocks)
-    valid = jnp.broadcast_to(valid, scores.shape).reshape(shape)
-    return masked_softmax(scores.reshape(shape), valid)[1]
-
-
 def target_log_probs(q: jax.Array, k_sel: jax.Array, cfg: NSAConfig, *,
                      segments: Optional[Segments], block_idx: Optional[jax.Array],
-                     alignment: AlignmentOptions) -> jax.Array:
+                     alignment: AlignmentOptions, backend: dispatch.Backend = "xla",
+                     options: Optional[Mapping[str, Any]] = None) -> jax.Array:
     """The target's log-probabilities over the candidates (module docstring), no gradient.
 
     q `[B, T, H, d_k]`, k_sel `[B, T, G, d_k]` (RoPE'd, as the selected branch sees them);
-    block_idx int32 `[B, T, G, n_sel]` in sparse mode. -> `[B, T, G, K]` in the compute dtype,
-    -inf off the candidates: over blocks `0..K-1` (K = ceil(T / l_sel)) in dense mode, over the
-    slots of block_idx (K = n_sel) in sparse mode.
+    block_idx int32 `[B, T, G, n_sel]` in sparse mode. -> `[B, T, G, K]`, -inf off the
+    candidates: over blocks `0..K-1` (K = ceil(T / l_sel)) in dense mode, over the slots of
+    block_idx (K = n_sel) in sparse mode. Sparse mode takes the selected branch's per-slot mass
+    from the `selected_block_mass` dispatch entry (a Pallas kernel on `backend="pallas"`, else
+    XLA); dense mode is computed here, in XLA.
     """
+    B, T = q.shape[:2]
+    pos = _layout(T, segments, B)[0]
+    q, k_sel = lax.stop_gradient(q), lax.stop_gradient(k_sel)
+    if alignment.mode == "dense":
+        log_mass, blocks = _dense_log_mass(q, k_sel, cfg, segments, alignment)
+    else:
+        log_mass = dispatch.call("selected_block_mass", backend, q, k_sel, block_idx,
+                                 block_size=cfg.sel_block, scale=cfg.scale,
+                                 q_chunk=alignment.q_chunk, kv_blocks=alignment.kv_blocks,
+                                 segments=segments, options=options)
+        blocks = block_idx
+    is_candidate = candidates(blocks, pos, cfg)
+    _, log_total = masked_softmax(log_mass, is_candidate)
+    return jnp.where(is_candidate, log_mass - log_total[..., None], -jnp.inf)
+
+
+def _dense_log_mass(q, k_sel, cfg: NSAConfig, segments: Optional[Segments],
+                    alignment: AlignmentOptions):
+    """(log mass `[B, T, G, K]` of the full causal attention on every selection block, summed
+    over the group's heads, in the compute dtype; the block indices `[B, T, G, K]`)."""
     B, T, H, _ = q.shape
     G, L, kv = k_sel.shape[2], cfg.sel_block, alignment.kv_blocks
     dtype = compute_dtype(q.dtype, k_sel.dtype)
-    dense = alignment.mode == "dense"
-    shared = dense and segments is None   # every query's block j is the same keys
     pos, start, _, _ = _layout(T, segments, B)
-    K = num_sel_blocks(cfg, T) if dense else block_idx.shape[-1]
+    K = num_sel_blocks(cfg, T)
     n_tiles = -(-K // kv)
+    blocks = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, T, G, K))
+    shared = segments is None   # every query's block j is the same keys
     if shared:
         k_sel = jnp.pad(k_sel, [(0, 0), (0, n_tiles * kv * L - T), (0, 0), (0, 0)])
     else:
@@ -246,50 +264,41 @@ def target_log_probs(q: jax.Array, k_sel: jax.Array, cfg: NSAConfig, *,
         k_sel = k_sel.astype(dtype)
     offsets = jnp.arange(L, dtype=jnp.int32)
 
-    def tile_shared(i, q_g, pos_c, start_c, idx_c):
-        del start_c, idx_c
+    def tile_shared(i, q_g, pos_c, start_c):
+        del start_c
         keys = lax.dynamic_slice_in_dim(k_sel, i * kv * L, kv * L, axis=1)      # [B, kv*L, G, D]
         scores = einsum("bqghd,bkgd->bqghk", q_g, keys, dtype) * cfg.scale
         local = i * kv * L + jnp.arange(kv * L, dtype=jnp.int32)
-        return _block_lse(scores, (local <= pos_c[..., None])[:, :, None, None, :], kv)
+        return block_logsumexp(scores, (local <= pos_c[..., None])[:, :, None, None, :], kv)
 
-    def tile_gathered(i, q_g, pos_c, start_c, idx_c):
-        blocks = lax.dynamic_slice_in_dim(idx_c, i * kv, kv, axis=3)            # [B, Q, G, kv]
-        local = blocks[..., None] * L + offsets                                 # [B, Q, G, kv, L]
-        valid = (blocks[..., None] >= 0) & (local <= pos_c[:, :, None, None, None])
+    def tile_gathered(i, q_g, pos_c, start_c):
         Q = q_g.shape[1]
+        local = (i * kv + jnp.arange(kv, dtype=jnp.int32))[:, None] * L + offsets  # [kv, L]
+        local = jnp.broadcast_to(local, (B, Q, G, kv, L))
+        valid = local <= pos_c[:, :, None, None, None]
         token = jnp.clip(start_c[:, :, None, None, None] + local, 0, T - 1)
         keys = gather_tokens(k_sel, token.reshape(B, Q, G, kv * L))
         scores = einsum("bqghd,bqgkd->bqghk", q_g, keys, dtype) * cfg.scale
-        return _block_lse(scores, valid.reshape(B, Q, G, 1, kv * L), kv)
+        return block_logsumexp(scores, valid.reshape(B, Q, G, 1, kv * L), kv)
 
     tile = tile_shared if shared else tile_gathered
 
-    def body(chunk_start, q_c, pos_c, start_c, *idx_c):
+    def body(chunk_start, q_c, pos_c, start_c):
         del chunk_start
         q_g = split_heads(q_c, G)
         Q, h = q_g.shape[1], q_g.shape[3]
-        # Candidate slots: blocks 0, 1, ... (dense) or the selection's, -1 padded to whole tiles.
-        idx_c = (jnp.broadcast_to(jnp.arange(n_tiles * kv, dtype=jnp.int32),
-                                  (B, Q, G, n_tiles * kv)) if dense else
-                 jnp.pad(idx_c[0], [(0, 0)] * 3 + [(0, n_tiles * kv - K)], constant_values=-1))
-        # Dense: the key tiles past the chunk's last query hold no causal key.
-        count = (jnp.minimum(n_tiles, jnp.max(pos_c) // (kv * L) + 1) if dense else n_tiles)
+        # The key tiles past the chunk's last query hold no causal key.
+        count = jnp.minimum(n_tiles, jnp.max(pos_c) // (kv * L) + 1)
         lse = jnp.full((n_tiles, B, Q, G, h, kv), -jnp.inf, dtype)
         lse = lax.fori_loop(0, count, lambda i, acc: acc.at[i].set(
-            tile(i, q_g, pos_c, start_c, idx_c)), lse)
+            tile(i, q_g, pos_c, start_c)), lse)
         lse = jnp.moveaxis(lse, 0, -2).reshape(B, Q, G, h, n_tiles * kv)[..., :K]
         # Each head's probabilities over every attended token, summed over the group's heads.
         norm = jax.nn.logsumexp(lse, axis=-1, keepdims=True)
         norm = jnp.where(jnp.isfinite(norm), norm, 0.0)
-        log_mass = jax.nn.logsumexp(lse - norm, axis=3)                         # [B, Q, G, K]
-        is_candidate = candidates(idx_c[..., :K], pos_c, cfg)
-        _, log_total = masked_softmax(log_mass, is_candidate)
-        return jnp.where(is_candidate, log_mass - log_total[..., None], -jnp.inf)
+        return jax.nn.logsumexp(lse - norm, axis=3)                             # [B, Q, G, K]
 
-    q = lax.stop_gradient(q)
-    return map_query_chunks(body, alignment.q_chunk, q, pos, start,
-                            *([] if dense else [block_idx]))
+    return map_query_chunks(body, alignment.q_chunk, q, pos, start), blocks
 
 
 def _logsumexp(a: jax.Array, axis: int) -> jax.Array:

@@ -11,6 +11,10 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
     select_blocks(q, k_cmp, cfg, *, scale[, lse])  (lse [B, T, H] when the caller has it)
     selected_attention(q, k, v, block_idx, *, block_size, scale)
     sliding_window_attention(q, k, v, *, window, scale)
+    selected_block_mass(q, k, block_idx, *, block_size, scale, q_chunk, kv_blocks)
+        -> the log attention mass of each selected slot `[B, T, G, n_sel]`, no gradient (the
+        selection-alignment loss's target, `nsa_jax.alignment`; q_chunk / kv_blocks size the
+        XLA path's chunks)
 
 and the decode entries, for queries q `[B, Q, H, d_k]` at positions `[B, Q]` attending a decode
 cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
@@ -50,7 +54,7 @@ import jax
 from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
-            "sliding_window_attention")
+            "sliding_window_attention", "selected_block_mass")
 DECODE_BRANCHES = ("decode_append", "decode_compressed_attention", "decode_select_blocks",
                    "decode_compressed_select", "decode_selected_window_attention")
 

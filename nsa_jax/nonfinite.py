@@ -186,6 +186,9 @@ GUARDS = {
     "select_blocks": select_blocks,
     "selected_attention": selected_attention,
     "sliding_window_attention": sliding_window_attention,
+    # The alignment loss's target: its inputs are the layer's own projections, and a
+    # non-finite one makes that query's KL non-finite, which the loss reports as it is.
+    "selected_block_mass": unguarded,
     "decode_append": unguarded,
     "decode_compressed_attention": unguarded,
     "decode_select_blocks": unguarded,

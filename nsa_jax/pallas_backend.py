@@ -162,6 +162,15 @@ def selected_attention(q, k, v, block_idx, *, block_size, scale,
         interpret=options.resolve_interpret())
 
 
+def selected_block_mass(q, k, block_idx, *, block_size, scale, q_chunk, kv_blocks,
+                        options: Optional[PallasOptions] = None):
+    del q_chunk, kv_blocks  # the XLA path's chunks; the kernel runs one program per token
+    options = options or DEFAULT_OPTIONS
+    return kernels.selected_block_mass(
+        q, k, block_idx, block_size, scale, block_sizes=options.selected_blocks,
+        interpret=options.resolve_interpret())
+
+
 def _one_query(q, what: str) -> None:
     if q.shape[1] != 1:
         raise NotImplementedError(f"the Pallas {what} kernel takes one query per sequence, "
@@ -250,6 +259,7 @@ def register() -> None:
     register_backend("compressed_attention", "pallas", compressed_attention)
     register_backend("select_blocks", "pallas", select_blocks)
     register_backend("selected_attention", "pallas", selected_attention)
+    register_backend("selected_block_mass", "pallas", selected_block_mass)
     register_backend("sliding_window_attention", "pallas", sliding_window_attention)
     register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
     register_backend("decode_select_blocks", "pallas", decode_select_blocks)

@@ -40,6 +40,10 @@ from pallas_kernels.selected_attention import (
     selected_attention_reference,
     selected_attention_stages,
 )
+from pallas_kernels.selected_block_mass import (
+    selected_block_mass,
+    selected_block_mass_reference,
+)
 from pallas_kernels.window_attention import (
     BlockSizes as WindowAttentionBlockSizes,
     window_attention,

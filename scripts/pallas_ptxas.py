@@ -50,7 +50,9 @@ from pallas_kernels import profiles  # noqa: E402
 COLUMNS = ["arch", "dtype", "d_k", "d_v", "kernel", "num_warps", "num_stages", "registers",
            "spill_stores", "spill_loads", "shared_bytes", "shared_limit", "fits", "triton",
            "status"]
-KERNELS = ("select", "selected", "compressed", "window", "decode")
+KERNELS = ("select", "selected", "compressed", "window", "decode", "block_mass")
+# Kernels that take another kernel's tiles: the block-mass kernel runs on the selected ones.
+PROFILE_OF = {"block_mass": "selected"}
 
 # Runs in a subprocess that imports triton only (jaxlib's and triton's LLVM stay apart):
 # compile one TTIR file for one architecture, run ptxas -v on its PTX, print one JSON line.
@@ -100,7 +102,7 @@ def parse_sets(text: str | None) -> dict:
 def block_sizes(kernel: str, arch: str, d_k: int, d_v: int, fields: dict, dtype: str):
     """The `arch` profile's block sizes of `kernel` at these head dims and dtype, with `fields`
     replaced; a ValueError names an unknown field, NotImplementedError a shape without tiles."""
-    sizes = profiles.PROFILES[arch].block_sizes(kernel, dtype, d_k, d_v)
+    sizes = profiles.PROFILES[arch].block_sizes(PROFILE_OF.get(kernel, kernel), dtype, d_k, d_v)
     known = {f.name for f in dataclasses.fields(sizes)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -134,6 +136,12 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
                 q, k, v, block_idx, l_sel, block_sizes=sizes).astype(jnp.float32).sum()
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
         return fn, (bf16(1, S, H, d_k), bf16(1, S, G, d_k), bf16(1, S, G, d_v),
+                    jax.ShapeDtypeStruct((1, S, G, n_sel), jnp.int32))
+    if kernel == "block_mass":
+        from pallas_kernels.selected_block_mass import selected_block_mass
+        fn = lambda q, k, block_idx: selected_block_mass(  # noqa: E731
+            q, k, block_idx, l_sel, block_sizes=sizes)
+        return fn, (bf16(1, S, H, d_k), bf16(1, S, G, d_k),
                     jax.ShapeDtypeStruct((1, S, G, n_sel), jnp.int32))
     if kernel == "compressed":
         from pallas_kernels.compressed_attention import compressed_attention

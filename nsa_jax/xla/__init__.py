@@ -10,7 +10,7 @@ from nsa_jax.xla.decode import (decode_append, decode_compressed_attention,
                                 decode_selected_window_attention)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 from nsa_jax.xla.select_blocks import select_blocks, top_blocks
-from nsa_jax.xla.selected_attention import selected_attention
+from nsa_jax.xla.selected_attention import selected_attention, selected_block_mass
 from nsa_jax.xla.sliding_window import sliding_window_attention
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "decode_selected_window_attention",
     "select_blocks",
     "selected_attention",
+    "selected_block_mass",
     "sliding_window_attention",
     "top_blocks",
 ]

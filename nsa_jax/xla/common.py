@@ -46,6 +46,14 @@ def masked_softmax(scores: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.A
     return p, lse
 
 
+def block_logsumexp(scores: jax.Array, valid: jax.Array, n_blocks: int) -> jax.Array:
+    """scores `[..., n_blocks * l]`, valid (bool, broadcastable) -> the log-sum-exp over each
+    block's valid entries `[..., n_blocks]` (-inf for a block without any)."""
+    shape = scores.shape[:-1] + (n_blocks, scores.shape[-1] // n_blocks)
+    valid = jnp.broadcast_to(valid, scores.shape).reshape(shape)
+    return masked_softmax(scores.reshape(shape), valid)[1]
+
+
 def map_query_chunks(body: Callable, chunk: int, *per_query: jax.Array):
     """Run `body(chunk_start, *chunks)` over query chunks and stitch the results back together.
 

@@ -5,10 +5,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from nsa_jax.segments import Segments
-from nsa_jax.xla.common import (compute_dtype, einsum, map_query_chunks, masked_softmax,
-                                merge_heads, split_heads)
+from nsa_jax.xla.common import (block_logsumexp, compute_dtype, einsum,
+                                map_query_chunks, masked_softmax, merge_heads, split_heads)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
 
 
@@ -19,6 +20,14 @@ def gather_tokens(x: jax.Array, token: jax.Array) -> jax.Array:
     idx = jnp.swapaxes(token, 1, 2).reshape(B, G, Q * K, 1)
     out = jnp.take_along_axis(x_t, idx, axis=2)                            # [B, G, Q*K, D]
     return jnp.swapaxes(out.reshape(B, G, Q, K, x.shape[-1]), 1, 2)
+
+
+def _positions(segments: Optional[Segments], B: int, T: int):
+    """Each query's local position and its sequence's first token, int32 `[B, T]` each."""
+    if segments is None:
+        return (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
+                jnp.zeros((B, T), jnp.int32))
+    return jnp.broadcast_to(segments.pos, (B, T)), jnp.broadcast_to(segments.start, (B, T))
 
 
 def selected_chunk(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.Array,
@@ -56,15 +65,60 @@ def selected_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.
     """
     options = options or DEFAULT_OPTIONS
     B, T = q.shape[:2]
-    if segments is None:
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        start = jnp.zeros((B, T), jnp.int32)
-    else:
-        pos = jnp.broadcast_to(segments.pos, (B, T))
-        start = jnp.broadcast_to(segments.start, (B, T))
+    pos, start = _positions(segments, B, T)
 
     def body(chunk_start, q_c, idx_c, pos_c, start_c):
         del chunk_start
         return selected_chunk(q_c, k, v, idx_c, pos_c, start_c, block_size, scale)
 
     return map_query_chunks(body, options.selected_q_chunk, q, block_idx, pos, start)
+
+
+def selected_block_mass(q: jax.Array, k: jax.Array, block_idx: jax.Array, *, block_size: int,
+                        scale: float, q_chunk: int = 256, kv_blocks: int = 16,
+                        segments: Optional[Segments] = None,
+                        options: Optional[XlaOptions] = None) -> jax.Array:
+    """The log of the selected branch's attention mass on each selected slot, summed over the
+    group's heads (the definition: `pallas_kernels.selected_block_mass`). q `[B, T, H, d_k]`,
+    k `[B, T, G, d_k]`, block_idx `[B, T, G, n]` -> `[B, T, G, n]` in the compute dtype, -inf
+    where a slot holds no attended token; no gradient.
+
+    Per chunk of `q_chunk` queries, `kv_blocks` slots at a time: their keys gathered in the
+    compute dtype, `[B, q_chunk, G, kv_blocks * block_size, d_k]`, and the scores
+    `[B, q_chunk, H, kv_blocks * block_size]`.
+    """
+    del options
+    B, T, H, _ = q.shape
+    G, L, K = k.shape[2], block_size, block_idx.shape[-1]
+    kv = min(kv_blocks, K)
+    n_tiles = -(-K // kv)
+    dtype = compute_dtype(q.dtype, k.dtype)
+    k = lax.stop_gradient(k).astype(dtype)
+    pos, start = _positions(segments, B, T)
+    offsets = jnp.arange(L, dtype=jnp.int32)
+
+    def body(chunk_start, q_c, pos_c, start_c, idx_c):
+        del chunk_start
+        q_g = split_heads(q_c, G)
+        Q, h = q_g.shape[1], q_g.shape[3]
+        idx_c = jnp.pad(idx_c, [(0, 0)] * 3 + [(0, n_tiles * kv - K)], constant_values=-1)
+
+        def tile(i, acc):
+            blocks = lax.dynamic_slice_in_dim(idx_c, i * kv, kv, axis=3)       # [B, Q, G, kv]
+            local = blocks[..., None] * L + offsets                             # [B, Q, G, kv, L]
+            valid = (blocks[..., None] >= 0) & (local <= pos_c[:, :, None, None, None])
+            token = jnp.clip(start_c[:, :, None, None, None] + local, 0, T - 1)
+            keys = gather_tokens(k, token.reshape(B, Q, G, kv * L))
+            scores = einsum("bqghd,bqgkd->bqghk", q_g, keys, dtype) * scale
+            return acc.at[i].set(block_logsumexp(scores, valid.reshape(B, Q, G, 1, kv * L), kv))
+
+        lse = lax.fori_loop(0, n_tiles, tile,
+                            jnp.full((n_tiles, B, Q, G, h, kv), -jnp.inf, dtype))
+        lse = jnp.moveaxis(lse, 0, -2).reshape(B, Q, G, h, n_tiles * kv)[..., :K]
+        # Each head's softmax over all its selected tokens, summed over the group's heads.
+        norm = jax.nn.logsumexp(lse, axis=-1, keepdims=True)
+        norm = jnp.where(jnp.isfinite(norm), norm, 0.0)
+        return jax.nn.logsumexp(lse - norm, axis=3)                             # [B, Q, G, K]
+
+    q = lax.stop_gradient(q)
+    return map_query_chunks(body, q_chunk, q, pos, start, block_idx)
