@@ -20,7 +20,9 @@ Per point (B, S):
                    in-place cache append, single-query attention over the S + 1 cached tokens, output
                    projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
                    and d_k == d_v), cudnn (jax.nn.dot_product_attention with
-                   key_value_seq_lengths), xla (the same, XLA).
+                   key_value_seq_lengths), xla (the same, XLA). The same step with q in place
+                   of the attention's output is timed too: its `attn_ms` is the attention's own
+                   cost, and `attn_speedup` (on the NSA row) compares the two attentions alone.
 
 Timing (--timing): "loop" (default) runs --loop_steps steps per jitted call in a `lax.scan` that
 carries the cache, as a jitted generation loop does, and reports the call's time per step: the
@@ -52,7 +54,8 @@ statistics of the blocks of consecutive steps (sel_shared, sel_jaccard; for rand
 
 Outputs: the full CSV (--csv), and on the GPU the two summary files of bench/results/
 (--latest_csv): `decode_latest.csv` (B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,
-commit; speedup = the first full-attention baseline that ran, FA-3 first, over the NSA step) and
+commit,workload,nsa_attn_ms,fa3_attn_ms,attn_speedup; speedup = the first full-attention baseline
+that ran, FA-3 first, over the NSA step; the attention-alone figures need the breakdown) and
 `decode_latest_breakdown.csv` beside it (each branch-only step and the base step).
 
 Example (GPU): python bench/bench_decode.py --csv artifacts/bench/decode.csv
@@ -81,7 +84,7 @@ COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv"
            "l_sel", "n_sel", "w", "dtype", "force", "timing", "status", "ms", "ms_min", "ms_max",
            "attn_ms", "share_of_step", "reads_cmp", "reads_sel", "reads_win", "reads_actual",
            "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
-           "device", "workload", "sel_shared", "sel_jaccard", "sel_tile_union"]
+           "device", "workload", "sel_shared", "sel_jaccard", "sel_tile_union", "attn_speedup"]
 BRANCHES = ("cmp", "sel", "win")
 FULL_IMPLS = ("fa3", "cudnn", "xla")
 FORCED_GATE_LOGIT = 30.0  # sigmoid(30) = 1 - 1e-13, sigmoid(-30) = 1e-13
@@ -418,11 +421,12 @@ def _full_attention_fn(impl: str, args, num_splits: int = 1):
     return attend
 
 
-def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1):
+def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1, attention: bool = True):
     """(step, params, the rotating x_t list, make_cache() -> a cache at S) of a full-attention
     layer step: one q/k/v projection GEMM (as the NSA step gets, `prepare_decode_params`),
     in-place cache append, single-query attention over the S + 1 cached tokens, output
-    projection."""
+    projection. `attention=False`: the same step with q's first d_v columns in place of the
+    attention's output (the step's cost without attention, as NSA's "base" step)."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -449,7 +453,10 @@ def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1):
         k_cache = lax.dynamic_update_slice_in_dim(k_cache, k_new.reshape(B, 1, G, dk), pos, 1)
         v_cache = lax.dynamic_update_slice_in_dim(v_cache, v_new.reshape(B, 1, G, dv), pos, 1)
         lengths = jnp.full((B,), pos + 1, jnp.int32)
-        o = attend(q, k_cache, v_cache, lengths)
+        if attention:
+            o = attend(q, k_cache, v_cache, lengths)
+        else:
+            o = jnp.pad(q, [(0, 0)] * 3 + [(0, max(0, dv - dk))])[..., :dv]
         y = o.reshape(B, 1, H * dv) @ params["wo"]
         return y, (k_cache, v_cache, pos + 1)
 
@@ -491,11 +498,21 @@ def run_full_point(args, impl: str, B: int, S: int) -> dict:
                   "xla": "jax.nn.dot_product_attention[xla]"}[impl]
     record.update(status=OK, impl=impl_label, **timing.fields(),
                   note="RoPE not applied (elementwise; negligible)")
+    # The same step without attention: attn_ms, the attention's own cost, as NSA's rows have it.
+    step, params, xs, make_cache = full_setup(args, impl, B, S, attention=False)
+    try:
+        base, _ = _timed_decode(step, params, None, make_cache(), xs, args)
+        record["attn_ms"] = max(0.0, timing.ms - base.ms)
+        record["note"] += f"; the step without attention {base.ms:.4g} ms"
+    except Exception as exc:
+        record["note"] += f"; the step without attention failed: {common.short_error(exc)}"
     return record
 
 
 def add_speedups(records: list[dict], full_order: list[str]) -> None:
-    """speedup_vs_full = full-attention step ms / NSA full step ms, per (B, S)."""
+    """speedup_vs_full = full-attention step ms / NSA full step ms, per (B, S); attn_speedup =
+    the same for the attention alone (each step less its step without attention), where both
+    were timed."""
     ok_full = {}
     for r in records:
         if r["row"].startswith("full_") and r.get("status") == OK:
@@ -508,11 +525,13 @@ def add_speedups(records: list[dict], full_order: list[str]) -> None:
             if ref:
                 r["speedup_vs_full"] = ref["ms"] / r["ms"]
                 r["baseline"] = f"full_{impl}"
+                if ref.get("attn_ms") is not None and r.get("attn_ms"):
+                    r["attn_speedup"] = ref["attn_ms"] / r["attn_ms"]
                 break
 
 
 LATEST_COLUMNS = ["B", "S", "nsa_ms", "fa3_ms", "cudnn_ms", "speedup", "reads", "formula",
-                  "device", "commit", "workload"]
+                  "device", "commit", "workload", "nsa_attn_ms", "fa3_attn_ms", "attn_speedup"]
 BREAKDOWN_COLUMNS = ["B", "S", "mode", "ms", "share_of_step", "attn_ms", "status", "device",
                      "commit", "workload"]
 
@@ -549,7 +568,9 @@ def write_latest(records: list[dict], path: str, device: str, commit: str,
                            cudnn_ms=ms(entries.get(("full_cudnn", "full"))),
                            speedup=nsa.get("speedup_vs_full"), reads=nsa.get("reads_actual"),
                            formula=nsa.get("reads_formula"), device=device, commit=commit,
-                           workload=workload))
+                           workload=workload, nsa_attn_ms=nsa.get("attn_ms"),
+                           fa3_attn_ms=(entries.get(("full_fa3", "full")) or {}).get("attn_ms"),
+                           attn_speedup=nsa.get("attn_speedup")))
         for mode in (*BRANCHES, "base"):
             r = entries.get(("nsa_jax", mode))
             if r:

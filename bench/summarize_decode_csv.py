@@ -17,7 +17,8 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402
 
 HEADER = ["B", "S", "nsa_ms", "cmp_share", "sel_share", "win_share", "base_ms", "reads",
-          "formula", "full_reads", "full_ms", "baseline", "speedup", "status"]
+          "formula", "full_reads", "full_ms", "baseline", "speedup", "nsa_attn_ms",
+          "full_attn_ms", "attn_speedup", "status"]
 
 
 def summarize(rows: list[dict]) -> str:
@@ -53,6 +54,7 @@ def summarize(rows: list[dict]) -> str:
             value(entries.get(("nsa_jax", "base"), {}), "ms"),
             None if reads is None else int(reads), None if formula is None else int(formula),
             S + 1, value(full, "ms"), baseline or "-", value(nsa, "speedup_vs_full"),
+            value(nsa, "attn_ms"), value(full, "attn_ms"), value(nsa, "attn_speedup"),
             "ok" if statuses == [common.OK] else "/".join(statuses)])
     return common.format_table(table, HEADER)
 

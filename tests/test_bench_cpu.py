@@ -203,7 +203,7 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
     assert code == 0
     columns, latest = _read(tmp_path / "decode_latest.csv")
     assert ",".join(columns) == ("B,S,nsa_ms,fa3_ms,cudnn_ms,speedup,reads,formula,device,commit,"
-                                 "workload")
+                                 "workload,nsa_attn_ms,fa3_attn_ms,attn_speedup")
     assert len(latest) == 1 and latest[0]["fa3_ms"] == "" and latest[0]["commit"] == "testcommit"
     _, breakdown = _read(tmp_path / "decode_latest_breakdown.csv")
     assert [r["mode"] for r in breakdown] == ["sel", "base"]
@@ -215,6 +215,9 @@ def test_decode_cpu_smoke(tmp_path, cpu_env, capsys):
         ("full_xla", "full"), ("full_fa3", "full")}
     full = by[("nsa_jax", "full")]
     assert full["status"] == "ok" and float(full["ms"]) > 0
+    # Each side's attention alone: its step less the same step without attention.
+    assert float(by[("full_xla", "full")]["attn_ms"]) >= 0 and float(full["attn_ms"]) >= 0
+    assert "without attention" in by[("full_xla", "full")]["note"]
     cfg = NSAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_k=16, d_v=16, cmp_block=8,
                     cmp_stride=4, sel_block=16, n_sel=4, window=16)
     assert int(full["reads_formula"]) == decode_read_bound(cfg, S)
@@ -365,12 +368,13 @@ def test_force_gates_rejects_unknown_branch():
 def test_summarize_decode_csv(tmp_path, capsys):
     rows = [
         dict(row="nsa_jax", mode="full", B=32, S=65536, status="ok", ms=2.0, reads_actual=5600,
-             reads_formula=5631, speedup_vs_full=8.5, baseline="full_fa3"),
+             reads_formula=5631, speedup_vs_full=8.5, baseline="full_fa3", attn_ms=1.7,
+             attn_speedup=9.4),
         dict(row="nsa_jax", mode="cmp", B=32, S=65536, status="ok", ms=0.5, share_of_step=0.25),
         dict(row="nsa_jax", mode="sel", B=32, S=65536, status="ok", ms=1.0, share_of_step=0.5),
         dict(row="nsa_jax", mode="win", B=32, S=65536, status="ok", ms=0.4, share_of_step=0.2),
         dict(row="nsa_jax", mode="base", B=32, S=65536, status="ok", ms=0.3, share_of_step=0.15),
-        dict(row="full_fa3", mode="full", B=32, S=65536, status="ok", ms=17.0),
+        dict(row="full_fa3", mode="full", B=32, S=65536, status="ok", ms=17.0, attn_ms=16.0),
         dict(row="full_cudnn", mode="full", B=32, S=65536, status="oom"),
     ]
     path = tmp_path / "d.csv"
@@ -381,7 +385,7 @@ def test_summarize_decode_csv(tmp_path, capsys):
     cells = lines[2].split()
     assert cells[:9] == ["32", "65536", "2.00", "0.250", "0.500", "0.200", "0.300", "5600",
                          "5631"]
-    assert cells[9:] == ["65537", "17.00", "full_fa3", "8.50", "ok/oom"]
+    assert cells[9:] == ["65537", "17.00", "full_fa3", "8.50", "1.70", "16.00", "9.40", "ok/oom"]
     with pytest.raises(SystemExit):
         summarize_decode_csv.main([str(tmp_path / "missing.csv")])
 
