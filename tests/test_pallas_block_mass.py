@@ -1,12 +1,8 @@
 """The selected branch's per-slot attention mass (`pallas_kernels.selected_block_mass`, interpret
 mode on CPU; the `gpu` tests compile it) against its plain-JAX reference, that reference against
 a NumPy float64 brute force, and the XLA dispatch entry (chunked, packed sequences) against both;
-the selection-alignment loss on the kernel equals it on XLA; the kernel's fit on sm80 / sm89."""
-import csv
-import os
-import subprocess
-import sys
-
+the selection-alignment loss on the kernel equals it on XLA. Its fit on sm80 / sm89:
+test_arch_profiles.py::test_every_kernel_fits."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,22 +170,3 @@ def test_gpu_matches_reference(dtype, case):
     ref = np.asarray(selected_block_mass_reference(*f32, idx, case["l_sel"]), np.float64)
     assert_close(got, ref, atol=1e-4 if dtype == jnp.float32 else 1e-3)
 
-
-def test_kernel_fits_sm80_and_sm89(tmp_path):
-    """`scripts/pallas_ptxas.py block_mass`: the kernel at d_k 128 and 192 on the sm80 and sm89
-    profiles' tiles (the selected kernels'), within shared memory and without spills."""
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = tmp_path / "block_mass.csv"
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "pallas_ptxas.py"),
-                           "block_mass", "--arch", "sm80,sm89", "--heads", "128/128,192/128",
-                           "--S", "1024", "--csv", str(path)],
-                          cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = list(csv.DictReader(open(path)))
-    assert sorted((r["arch"], r["d_k"]) for r in rows) == [
-        ("sm80", "128"), ("sm80", "192"), ("sm89", "128"), ("sm89", "192")]
-    for row in rows:
-        assert row["kernel"] == "nsa_selected_block_mass"
-        assert row["status"] == "ok" and row["fits"] == "True", row
-        assert int(row["spill_stores"]) == 0, row
