@@ -414,9 +414,10 @@ def _version(dist: str) -> Optional[str]:
 def git_commit() -> str:
     """The commit label: the COMMIT environment variable when set (the runner exports it), else
     `git rev-parse HEAD` with "-dirty" appended when tracked files differ from that commit, else
-    "unknown". The device tool's copy of the tree can carry a `.git` whose HEAD is older than the
-    files that travelled (2026-11-25: benches there recorded an earlier commit than the code that ran), so a
-    label without "-dirty" is the code that ran, and one with it is not a commit at all."""
+    "unknown". A copy of the tree sent to a remote GPU machine can carry a `.git` whose HEAD is
+    older than the files that travelled (benches there once recorded an earlier commit than the
+    code that ran), so a label without "-dirty" is the code that ran, and one with it is not a
+    commit at all."""
     if os.environ.get("COMMIT") and os.environ["COMMIT"] != "unknown":
         return os.environ["COMMIT"]
 

@@ -945,8 +945,8 @@ def parse_args(argv=None):
     parser.add_argument("--init", choices=("paired", "own"), default="paired",
                         help="paired: every NSA run starts from the full model's initial "
                              "weights for the parameters they share (embeddings, norms, MLPs, "
-                             "head, wq, wk/wv['sel'], wo); own: NSA's own draw (before "
-                             "2026-11-25)")
+                             "head, wq, wk/wv['sel'], wo); own: NSA's own draw (as the "
+                             "earliest recorded runs did)")
     parser.add_argument("--ablate", action="store_true",
                         help="NSA runs: also evaluate with the queried keys' blocks removed from "
                              "the selection of the first, the last and every layer, at every "
