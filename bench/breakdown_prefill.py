@@ -18,6 +18,10 @@ calls it, forward and forward+backward where the stage has a gradient:
 where a variant is `name[:kernel.field=value,...]` with kernel one of `cmp` (compressed
 attention BlockSizes), `select` (select_blocks BlockSizes), `selected` (selected attention
 BlockSizes), or `pallas` (a PallasOptions field, e.g. `kernel:pallas.compressed_cudnn=False`).
+`--workload coherent` (or trained; bench/workloads.py) forces that selection on the selected
+and core stages, e.g. the selected kernel's token tiles on neighbouring queries that share blocks:
+  --stages selected --workload coherent \
+  --variants "base;t4:selected.tokens_fwd=4,selected.tokens_dq=4"
 Writes `breakdown.csv` and prints a table.
 
 Example (GPU): python bench/breakdown_prefill.py --S_list 8k,64k --out artifacts/breakdown
@@ -36,10 +40,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
-from bench import bench_prefill  # noqa: E402
+from bench import bench_prefill, workloads  # noqa: E402
 
 COLUMNS = ["variant", "stage", "pass", "S", "status", "ms", "ms_min", "ms_max", "note", "device",
-           "commit"]
+           "commit", "workload"]
 STAGES = ("compress", "cmp_attn", "select", "selected", "window", "window_fa3", "core",
           "fa3_full")
 # kernel -> (PallasOptions field, the kernel's module, whose BlockSizes the field holds)
@@ -150,12 +154,17 @@ def prepare(cfg, args, S: int, seed: int, options) -> dict[str, Any]:
     v_cmp = nsa_jax.compress_kv(v_cmp_in, cmp_params.get("cmp_v"), cfg, **kw)
     _, lse = nsa_jax.compressed_attention(q, k_cmp, v_cmp, cfg, return_lse=True, **kw)
     block_idx = nsa_jax.select_blocks(q, k_cmp, cfg, lse=lse, **kw)
+    # A forced workload replaces the selection in the selected and core stages (as the core's
+    # `block_idx=` does); the select stage still ranks the random inputs' blocks.
+    forced = workloads.prefill_block_idx(args, cfg, args.B, S)
+    if forced is not None:
+        block_idx = jax.numpy.asarray(forced, jax.numpy.int32)
     jax.block_until_ready(block_idx)
     return dict(q=q, k_cmp_in=k_cmp_in, v_cmp_in=v_cmp_in, k_sel=k_sel, v_sel=v_sel, k_win=k_win,
                 v_win=v_win, cmp_params=cmp_params, k_cmp=k_cmp, v_cmp=v_cmp, lse=lse,
                 block_idx=block_idx,
                 core_inputs=(q, k_cmp_in, v_cmp_in, k_sel, v_sel, k_win, v_win, gates,
-                             cmp_params))
+                             cmp_params) + (() if forced is None else (block_idx,)))
 
 
 def run(args) -> list[dict[str, Any]]:
@@ -172,6 +181,7 @@ def run(args) -> list[dict[str, Any]]:
                 sets = [prepare(cfg, args, S, seed, options) for seed in range(args.rotate)]
             except Exception as exc:  # a variant that does not compile is a row, not a crash
                 record = dict(variant=name, stage="prepare", S=S, device=device, commit=commit,
+                              workload=args.workload,
                               status=common.classify_exception(exc), note=common.short_error(exc),
                               **{"pass": "fwd"})
                 records.append(record)
@@ -189,7 +199,7 @@ def run(args) -> list[dict[str, Any]]:
                 passes = ("fwd", "fwd_bwd") if grad else ("fwd",)
                 for pass_name in passes:
                     record = dict(variant=name, stage=stage, S=S, device=device, commit=commit,
-                                  **{"pass": pass_name})
+                                  workload=args.workload, **{"pass": pass_name})
                     try:
                         record.update(time_pass(fn, inputs, args, pass_name == "fwd_bwd"))
                     except common.Skip as why:
@@ -208,7 +218,7 @@ def _fa3(args, S, device, commit) -> list[dict[str, Any]]:
     records = []
     for pass_name in ("fwd", "fwd_bwd"):
         record = dict(variant="-", stage="fa3_full", S=S, device=device, commit=commit,
-                      **{"pass": pass_name})
+                      workload=args.workload, **{"pass": pass_name})
         try:
             rows = bench_prefill.run_fa3(args, S, "fa3_full")
             match = [r for r in rows if r["pass"] == pass_name][0]
@@ -248,6 +258,7 @@ def main(argv=None) -> int:
     unknown = [s for s in args.stages if s not in STAGES]
     if unknown:
         raise ValueError(f"--stages has unknown stages {unknown}; known: {list(STAGES)}")
+    workloads.check_workload_args(args)
     common.setup_device(args.device)
     os.makedirs(args.out, exist_ok=True)
     records = run(args)

@@ -64,7 +64,12 @@ class BlockSizes:
         `[tile, d]` float32 sums are 256 registers a thread at 4 warps and d 256).
       split_dk: a d_k that is the sum of two powers of two >= 16 (192 = 128 + 64, 96 = 64 + 32)
         enters the products as those two column parts, unpadded; False pads it to the next
-        power of two (256 for 192), as before. Not yet measured on a GPU.
+        power of two (256 for 192), as before.
+      tokens_fwd / tokens_dq: consecutive tokens a forward / dq program takes (a power of 2).
+        Above 1, the program loads each block its first token selected once, for every token of
+        the tile that selected it too (the forced initial and local blocks at least), then each
+        token's other blocks (`_token_tile_plan`). The tile shrinks to the largest power of 2
+        that divides T.
     """
     dkv_rows: int = 64
     dkv_chunk: int | None = None
@@ -78,10 +83,16 @@ class BlockSizes:
     num_stages_dkv: int = 2
     num_warps_dkv_reduce: int = 4
     split_dk: bool = True
+    tokens_fwd: int = 1
+    tokens_dq: int = 1
 
     def __post_init__(self):
         if self.dkv_rows < 16 or self.dkv_rows & (self.dkv_rows - 1):
             raise ValueError(f"dkv_rows ({self.dkv_rows}) must be a power of 2 >= 16")
+        for name in ("tokens_fwd", "tokens_dq"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+                raise ValueError(f"{name} ({n!r}) must be a power of 2 >= 1")
         if self.dkv_chunk is not None and self.dkv_chunk < 1:
             raise ValueError(f"dkv_chunk ({self.dkv_chunk}) must be positive")
 
@@ -220,6 +231,145 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
     store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype) for x in dq], parts)
 
 
+# Token tiles (BlockSizes.tokens_fwd / tokens_dq > 1): a program of P consecutive tokens visits
+# first the blocks of its first token's list, each loaded once for every token that selected it,
+# then each token's remaining blocks. Visit lists are slot masks over a token's `n_sel_pad`
+# slots, walked in slot order by rank (`_slot_ranks`, `_nth`): no gather, no sort, only
+# comparisons and reductions of [n, n] tiles, which the Triton lowering has.
+
+def _one(mask):
+    return jnp.where(mask, jnp.int32(1), jnp.int32(0))
+
+
+def _slot_ranks(mask):
+    """(count, rank [n]) of a slot mask [n]: how many slots are set, and each slot's rank among
+    them (the set slots before it), so a loop's visit i takes the set slot of rank i."""
+    n = mask.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    col = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    rank = jnp.sum(_one((col < row) & mask[None, :]), axis=1)
+    return jnp.sum(_one(mask)), rank
+
+
+def _nth(values, mask, rank, i):
+    """values at the set slot of rank i."""
+    return jnp.sum(jnp.where(mask & (rank == i), values, jnp.int32(0)))
+
+
+def _holds(row, j):
+    """Whether the block list `row [n]` holds block j (j >= 0)."""
+    return jnp.max(_one(row == j)) > 0
+
+
+def _token_tile_plan(rows, ts, l_sel):
+    """The visit plan of a token tile. rows: the tokens' block lists, each [n] (-1 padded); ts:
+    their positions. Shared visits: the first occurrence of each block of token 0's list that
+    starts at or before the tile's last token, loaded once; token p takes one when its own list
+    holds it. Token p's own visits: the rest of its list (blocks token 0 lacks, and a repeat of a
+    block, which the reference counts again), blocks starting after p skipped. Returns
+    (shared mask [n] over token 0's slots, [own mask [n] over token p's slots for each p])."""
+    n = rows[0].shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (n, n), 0)
+    c = lax.broadcasted_iota(jnp.int32, (n, n), 1)
+
+    def first(row):  # slot s holds the first occurrence of its block
+        return jnp.max(_one((c < r) & (row[None, :] == row[:, None])), axis=1) == 0
+
+    row0 = rows[0]
+    shared = (row0 >= 0) & (row0 * l_sel <= ts[-1]) & first(row0)
+    own = []
+    for row, t in zip(rows, ts):
+        in_shared = jnp.max(_one((row[:, None] == row0[None, :]) & shared[None, :]), axis=1) > 0
+        own.append((row >= 0) & (row * l_sel <= t) & ~(in_shared & first(row)))
+    return shared, own
+
+
+def _tile_visits(rows, ts, l_sel, tile, k_ref, v_ref, parts, step, states):
+    """Runs `step(state_p, p, k, v, keep_p)` over the tile's plan: the shared blocks for every
+    token, then each token's own blocks. states: one carry per token; returns them updated."""
+    shared, own = _token_tile_plan(rows, ts, l_sel)
+    offset = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+
+    count, rank = _slot_ranks(shared)
+
+    def visit_shared(i, states):
+        j = _nth(rows[0], shared, rank, i)
+        start = j * l_sel
+        k = load_cols(k_ref, (pl.ds(start, tile),), parts)
+        v = v_ref[pl.ds(start, tile), :]
+        out = []
+        for p, (row, t) in enumerate(zip(rows, ts)):
+            keep = _holds(row, j) & (start + offset <= t) & (offset < l_sel)
+            out.append(step(states[p], p, k, v, keep))
+        return out
+
+    states = lax.fori_loop(0, count, visit_shared, list(states))
+    for p, (row, t) in enumerate(zip(rows, ts)):
+        count_p, rank_p = _slot_ranks(own[p])
+
+        def visit_own(i, state, p=p, row=row, t=t, rank_p=rank_p):
+            j = _nth(row, own[p], rank_p, i)
+            k, v, keep = _load_block(k_ref, v_ref, j, t, l_sel, tile, parts)
+            return step(state, p, k, v, keep)
+
+        states[p] = lax.fori_loop(0, count_p, visit_own, states[p])
+    return states
+
+
+def _fwd_tile_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile, parts):
+    """`_fwd_kernel` for a tile of P consecutive tokens (program i: tokens i*P ..): q_ref
+    [P, h_pad, dk_pad], idx_ref [P, n_sel_pad]; o_ref [P, h_pad, dv_pad], lse_ref [P, h_pad]."""
+    P, rows, dv = o_ref.shape
+    t0 = pl.program_id(0) * P
+    ts = [t0 + p for p in range(P)]
+    idx = [idx_ref[p, :] for p in range(P)]
+    q = [load_cols(q_ref, (p, pl.ds(0, rows)), parts) for p in range(P)]
+    scale_log2 = scale * LOG2_E
+
+    def step(state, p, k, v, keep):
+        s = jnp.where(keep, _scores(q[p], k) * scale_log2, MASK)
+        return online_softmax_step(state, s, v, _dot)
+
+    states = _tile_visits(idx, ts, l_sel, tile, k_ref, v_ref, parts, step,
+                          [online_softmax_init(rows, dv) for _ in range(P)])
+    for p, state in enumerate(states):
+        o, lse_log2 = online_softmax_finish(state)
+        o_ref[p, :, :] = o.astype(o_ref.dtype)
+        lse_ref[p, :] = lse_log2 * LN_2
+
+
+def _dq_tile_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale,
+                    l_sel, tile, parts):
+    """`_dq_kernel` for a tile of P consecutive tokens; shapes as `_fwd_tile_kernel`, with
+    do_ref [P, h_pad, dv_pad], lse_ref / delta_ref [P, h_pad]; dq_ref [P, h_pad, dk_pad]."""
+    P, rows = dq_ref.shape[:2]
+    t0 = pl.program_id(0) * P
+    ts = [t0 + p for p in range(P)]
+    idx = [idx_ref[p, :] for p in range(P)]
+    q = [load_cols(q_ref, (p, pl.ds(0, rows)), parts) for p in range(P)]
+    do = [do_ref[p, :, :] for p in range(P)]
+    lse_log2 = [lse_ref[p, :] * LOG2_E for p in range(P)]
+    delta = [delta_ref[p, :] for p in range(P)]
+    scale_log2 = scale * LOG2_E
+
+    def step(dq, p, k, v, keep):
+        s = _scores(q[p], k) * scale_log2
+        prob = jnp.where(keep, jnp.exp2(s - lse_log2[p][:, None]), 0.0)
+        dp = _dot(do[p], v, trans_b=True)
+        ds = (prob * (dp - delta[p][:, None])).astype(v.dtype)
+        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+
+    dqs = _tile_visits(idx, ts, l_sel, tile, k_ref, v_ref, parts, step,
+                       [[jnp.zeros((rows, w), jnp.float32) for _, w in parts] for _ in range(P)])
+    for p, dq in enumerate(dqs):
+        values = [(x * scale).astype(dq_ref.dtype) for x in dq]
+        if len(parts) == 1:
+            dq_ref[p, :, :] = values[0]
+        else:
+            for (o, w), value in zip(parts, values):
+                dq_ref[p, :, pl.ds(o, w)] = value
+
+
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
                 delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, l_sel, tile, h, H, rows, parts):
     """One (work item w, KV head g, batch b): the dk, dv contribution of the queries at positions
@@ -307,12 +457,21 @@ def _padded_kv(k, v, geo: _Geometry):
     return k, v
 
 
-def _token_specs(geo: _Geometry):
-    """BlockSpecs of the per-token (forward, dq) kernels, grid (T, G, B)."""
-    rows = lambda d: pl.BlockSpec((None, None, None, geo.h_pad, d), lambda t, g, b: (b, t, g, 0, 0))
-    vec = pl.BlockSpec((None, None, None, geo.h_pad), lambda t, g, b: (b, t, g, 0))
+def _token_tile(geo: _Geometry, tokens: int) -> int:
+    """Tokens a forward / dq program takes: `tokens`, halved until it divides T."""
+    while geo.T % tokens:
+        tokens //= 2
+    return tokens
+
+
+def _token_specs(geo: _Geometry, tokens: int = 1):
+    """BlockSpecs of the per-token (forward, dq) kernels, grid (T / tokens, G, B); a tile of
+    more than one token keeps its token axis."""
+    P = None if tokens == 1 else tokens
+    rows = lambda d: pl.BlockSpec((None, P, None, geo.h_pad, d), lambda t, g, b: (b, t, g, 0, 0))
+    vec = pl.BlockSpec((None, P, None, geo.h_pad), lambda t, g, b: (b, t, g, 0))
     kv = lambda d: pl.BlockSpec((None, geo.T_pad, None, d), lambda t, g, b: (b, 0, g, 0))
-    idx = pl.BlockSpec((None, None, None, geo.n_sel_pad), lambda t, g, b: (b, t, g, 0))
+    idx = pl.BlockSpec((None, P, None, geo.n_sel_pad), lambda t, g, b: (b, t, g, 0))
     return rows, vec, kv, idx
 
 
@@ -320,13 +479,14 @@ def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpre
     qg = _group_rows(q, geo, geo.dk_pad)
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
-    rows, vec, kv, idx_spec = _token_specs(geo)
-    kernel = functools.partial(_fwd_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
-                               parts=geo.dk_parts)
+    tokens = _token_tile(geo, bs.tokens_fwd)
+    rows, vec, kv, idx_spec = _token_specs(geo, tokens)
+    kernel = functools.partial(_fwd_kernel if tokens == 1 else _fwd_tile_kernel, scale=scale,
+                               l_sel=geo.l_sel, tile=geo.tile, parts=geo.dk_parts)
     o, lse = pallas_call(
         kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
         num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
-        grid=(geo.T, geo.G, geo.B),
+        grid=(geo.T // tokens, geo.G, geo.B),
         in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec],
         out_specs=[rows(geo.dv_pad), vec],
         out_shape=[jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dv_pad), q.dtype),
@@ -343,13 +503,14 @@ def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, 
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
-    rows, vec, kv, idx_spec = _token_specs(geo)
-    kernel = functools.partial(_dq_kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
-                               parts=geo.dk_parts)
+    tokens = _token_tile(geo, bs.tokens_dq)
+    rows, vec, kv, idx_spec = _token_specs(geo, tokens)
+    kernel = functools.partial(_dq_kernel if tokens == 1 else _dq_tile_kernel, scale=scale,
+                               l_sel=geo.l_sel, tile=geo.tile, parts=geo.dk_parts)
     dq = pallas_call(
         kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
         num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
-        grid=(geo.T, geo.G, geo.B),
+        grid=(geo.T // tokens, geo.G, geo.B),
         in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, rows(geo.dv_pad),
                   vec, vec],
         out_specs=rows(geo.dk_pad),

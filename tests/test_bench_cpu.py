@@ -631,3 +631,22 @@ def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
         assert r["backend"] == "xla" and float(r["ms"]) > 0
     assert [r["kl_mode"] for r in records] == ["", "sparse", "dense"]
     assert all(r["kl_share"] != "" for r in records[1:])
+
+
+@pytest.mark.slow
+def test_breakdown_forces_a_workload_on_each_variant(tmp_path, cpu_env):
+    """breakdown_prefill --workload coherent: the selected stage on the forced selection, once
+    per variant (here the selected kernel's token tiles), in Pallas' interpreter."""
+    from bench import breakdown_prefill
+
+    code = breakdown_prefill.main([
+        "--device", "cpu", "--preset", "tiny", "--dv", "16", "--S_list", "128", "--iters", "1",
+        "--repeats", "1", "--warmup", "0", "--rotate", "1", "--dtype", "float32",
+        "--stages", "selected", "--workload", "coherent",
+        "--variants", "base;t4:selected.tokens_fwd=4,selected.tokens_dq=4", "--out",
+        str(tmp_path)])
+    assert code == 0
+    _, rows = _read(tmp_path / "breakdown.csv")
+    assert sorted((r["variant"], r["pass"]) for r in rows) == [
+        ("base", "fwd"), ("base", "fwd_bwd"), ("t4", "fwd"), ("t4", "fwd_bwd")]
+    assert all(r["status"] == "ok" and r["workload"] == "coherent" for r in rows), rows

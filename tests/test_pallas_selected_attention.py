@@ -199,6 +199,47 @@ def test_dk_split_into_two_parts(d_k, split):
                             block_sizes=BlockSizes(dkv_chunk=7, split_dk=split))
 
 
+# Token tiles: a forward / dq program of 2-8 tokens, shared blocks loaded once.
+@pytest.mark.parametrize("tokens_fwd,tokens_dq,d_k,dtype", [
+    pytest.param(8, 4, 16, jnp.float32, marks=pytest.mark.slow), (2, 8, 48, jnp.float32),
+    pytest.param(4, 4, 16, jnp.bfloat16, marks=pytest.mark.slow)])
+def test_token_tiles_against_reference(tokens_fwd, tokens_dq, d_k, dtype):
+    """T = 60 (a partial last block; tiles of 4 divide it, and a tile of 8 shrinks to 4), h = 4,
+    random spec-form block lists of 4 among 8 blocks of 8 tokens: the forced initial and local
+    blocks are shared inside a tile, the fourth block is mostly a token's own; d_k 48 is split
+    into 32 + 16."""
+    inputs = make_inputs(30 + tokens_fwd, 2, 60, 8, 2, d_k, 8, 4, 8, dtype)
+    check_against_reference(*inputs, 8, interpret=True, block_sizes=BlockSizes(
+        dkv_chunk=7, tokens_fwd=tokens_fwd, tokens_dq=tokens_dq))
+
+
+def test_token_tiles_with_repeats_gaps_and_late_blocks():
+    """Block lists outside the spec's form, which the reference still defines: a block repeated
+    in a list (counted twice), -1 between blocks, blocks that start after the token or lie past
+    T, and one list shared by a whole tile; token tiles of 4 (and a T of 36 that 8 does not
+    divide, so a tile of 8 shrinks to 4)."""
+    B, T, H, G, n_sel, l_sel = 1, 36, 4, 2, 6, 8
+    q, k, v, _, cotangent = make_inputs(41, B, T, H, G, 16, 8, n_sel, l_sel, jnp.float32)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(-1, T // l_sel + 3, size=(B, T, G, n_sel)).astype(np.int32)
+    idx[:, :, :, 1] = idx[:, :, :, 0]                   # a repeat in every list
+    idx[:, 8:12, 0, :] = [0, 2, -1, 1, 1, 0]            # one list for a whole tile, with repeats
+    idx[:, 12:16, 1, :] = [[3, 1, 0, -1, 0, 9], [1, -1, -1, 3, 3, 0], [0, 1, 1, 1, 2, 2],
+                           [-1, -1, -1, -1, -1, -1]]
+    for tokens in (4, 8):
+        check_against_reference(q, k, v, jnp.asarray(idx), cotangent, l_sel, interpret=True,
+                                block_sizes=BlockSizes(dkv_chunk=5, tokens_fwd=tokens,
+                                                       tokens_dq=tokens))
+
+
+def test_token_tile_sizes_are_checked():
+    for bad in (0, 3, -2, True, 2.0):
+        with pytest.raises(ValueError, match="tokens_fwd"):
+            BlockSizes(tokens_fwd=bad)
+        with pytest.raises(ValueError, match="tokens_dq"):
+            BlockSizes(tokens_dq=bad)
+
+
 # --- GPU: the compiled Triton kernels -----------------------------------------------------------
 
 @gpu
@@ -214,6 +255,16 @@ def test_gpu_against_reference(dtype, h, d_k, d_v, T):
     inputs = make_inputs(7, 2, T, 2 * h, 2, d_k, d_v, 16, 64, dtype)
     check_against_reference(*inputs, 64, interpret=False,
                             block_sizes=BlockSizes(dkv_chunk=256))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("tokens,d_k,T", [(4, 128, 1024), (8, 192, 1000), (2, 128, 768)])
+def test_gpu_token_tiles_against_reference(tokens, d_k, T):
+    """Token tiles compiled (T 1000: a tile of 8 shrinks to 8, the last block partial)."""
+    inputs = make_inputs(9, 1, T, 64, 4, d_k, 128, 16, 64, jnp.bfloat16)
+    check_against_reference(*inputs, 64, interpret=False, block_sizes=BlockSizes(
+        dkv_chunk=256, tokens_fwd=tokens, tokens_dq=tokens, num_warps_fwd=4, num_warps_dq=4))
 
 
 @gpu
