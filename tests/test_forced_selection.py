@@ -43,7 +43,9 @@ def test_jax_layer_given_own_selection_is_unchanged(layer):
         y, aux = nsa_jax.nsa_attention(params, xj, CFG, return_aux=True)
         y_forced, aux_forced = nsa_jax.nsa_attention(params, xj, CFG, return_aux=True,
                                                      block_idx=aux["block_idx"])
-        np.testing.assert_array_equal(np.asarray(y_forced), np.asarray(y))
+        # The same blocks give the same output; the forced call is another program (no
+        # selection stage), which XLA may fuse differently: equal to float64 rounding.
+        np.testing.assert_allclose(np.asarray(y_forced), np.asarray(y), rtol=1e-12, atol=1e-14)
         other = _shifted(np.asarray(aux["block_idx"]))
         assert (other != np.asarray(aux["block_idx"])).any()
         y_other, aux_other = nsa_jax.nsa_attention(params, xj, CFG, return_aux=True,
