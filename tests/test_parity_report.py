@@ -14,14 +14,23 @@ from parity.convert import module_to_params, params_to_module
 from parity.report import ParitySettings, run_report
 
 
+# Every report of this module runs at one size, so that its JAX programs compile once: a later
+# report's are served by the compilation cache.
+SEQ_LEN, DECODE_STEPS = 56, 2
+
+
+def _settings(**changes) -> ParitySettings:
+    return ParitySettings(cfg=NSAConfig.tiny(), seq_len=SEQ_LEN, decode_steps=DECODE_STEPS,
+                          **changes)
+
+
 def _by_name(rows, section=None):
     return {row.name: row for row in rows if section is None or row.section == section}
 
 
 @pytest.fixture(scope="module")
 def default_rows():
-    return run_report(ParitySettings(cfg=NSAConfig.tiny(), seq_len=56, decode_steps=2),
-                      progress=False)
+    return run_report(_settings(), progress=False)
 
 
 def test_report_passes_on_default_preset(default_rows):
@@ -57,8 +66,7 @@ def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
 
     monkeypatch.setattr(nsa_jax, "prefill", recording(nsa_jax.prefill))
     monkeypatch.setattr(nsa_jax, "decode_step", recording(nsa_jax.decode_step))
-    runner = _Runner(ParitySettings(cfg=NSAConfig.tiny(), seq_len=56, decode_steps=2,
-                                    jax_backend="pallas"))
+    runner = _Runner(_settings(jax_backend="pallas"))
     rows = runner.decode_rows()
     expected = [(r.section, r.name) for r in default_rows
                 if r.section == "decode" or "decode" in r.name or "prefill y" in r.name]
@@ -68,8 +76,7 @@ def test_decode_rows_run_on_the_chosen_backend(monkeypatch, default_rows):
 
 
 def test_report_fails_on_the_perturbed_weight():
-    rows = run_report(ParitySettings(cfg=NSAConfig.tiny(), seq_len=40, decode_steps=1,
-                                     perturb="wk.win"), progress=False)
+    rows = run_report(_settings(perturb="wk.win"), progress=False)
     failed = {(r.section, r.name) for r in rows if not r.passed}
     # The stage that reads wk.win places the fault; the other projections agree.
     assert ("stage", "k win") in failed and ("shared", "o_win") in failed
@@ -78,7 +85,8 @@ def test_report_fails_on_the_perturbed_weight():
 
 
 def test_cli_exit_codes(capsys):
-    assert main(["--T", "24", "--decode-steps", "1", "--perturb", "wo"]) == 1
+    assert main(["--T", str(SEQ_LEN), "--decode-steps", str(DECODE_STEPS),
+                 "--perturb", "wo"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "output (gated sum, wo)" in out
     assert main(["--preset", "nope"]) == 2
