@@ -9,17 +9,15 @@ sys.path.insert(0, HERE)
 
 # On a machine without a GPU, XLA compiles the suite's many small programs with LLVM's cheap
 # pipeline (a third less CPU time) and with its loop emitters instead of the MLIR fusion
-# emitters (about 40% less again: they compile a small fusion faster). YNNPACK's fusions are off:
-# with the loop emitters their products' last bit depended on what the process had run before,
-# and test_forced_selection compares two programs bit for bit. The arithmetic is otherwise the
-# same (no fast-math; the reductions' order is XLA's, not LLVM's). Set before JAX starts; a GPU
-# machine keeps its flags.
+# emitters (about 40% less again: they compile a small fusion faster). Neither changes the
+# arithmetic beyond a last bit (no fast-math; the reductions' order is XLA's, not LLVM's). Set
+# before JAX starts; a GPU machine keeps its flags.
 # Compiled programs are also kept in the checkout's `.jax_test_cache/` (ignored by git), so a
 # program that several tests build (the same layer at the same shapes) compiles once, and a
 # second run of the suite skips most compilation. A fresh clone starts cold. Set
 # JAX_COMPILATION_CACHE_DIR to use another folder.
 CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                     " --xla_cpu_use_fusion_emitters=false --xla_cpu_experimental_ynn_fusion_type=")
+                     " --xla_cpu_use_fusion_emitters=false")
 if not os.path.exists("/dev/nvidia0"):
     if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
