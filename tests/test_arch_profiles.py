@@ -7,6 +7,7 @@ backend "pallas" per architecture, head size and sharding."""
 import contextlib
 import csv
 import dataclasses
+import functools
 import importlib
 import os
 import subprocess
@@ -134,19 +135,22 @@ def test_kernels_run_the_profile_tiles(monkeypatch, profile, d_k, d_v):
         return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(jnp.where(jnp.isfinite(lse),
                                                                        lse, 0.0))
 
-    kernel_grad = jax.grad(lambda *a: compressed_loss(compressed_attention, *a, interpret=True),
-                           argnums=(0, 1, 2))(q, k_cmp, v_cmp)
+    # Each side jitted whole: one compilation instead of one an operation.
+    kernel_grad = jax.jit(jax.grad(
+        lambda *a: compressed_loss(compressed_attention, *a, interpret=True),
+        argnums=(0, 1, 2)))(q, k_cmp, v_cmp)
     f32 = [x.astype(jnp.float32) for x in (q, k_cmp, v_cmp)]
-    ref_grad = jax.grad(lambda *a: compressed_loss(compressed_attention_reference, *a),
-                        argnums=(0, 1, 2))(*f32)
+    ref_grad = jax.jit(jax.grad(lambda *a: compressed_loss(compressed_attention_reference, *a),
+                                argnums=(0, 1, 2)))(*f32)
     for got, want in zip(kernel_grad, ref_grad):
         assert rel_err(got, want) <= BF16_TOL
 
-    _, lse = compressed_attention_reference(*f32, **geometry)
+    _, lse = jax.jit(functools.partial(compressed_attention_reference, **geometry))(*f32)
     selection = dict(geometry, sel_block=CFG.sel_block, n_sel=CFG.n_sel, n_init=CFG.n_init,
                      n_local=CFG.n_local)
-    block_idx = select_blocks(*f32[:2], lse, **selection, interpret=True)
-    want_idx = select_blocks_reference(*f32[:2], lse, **selection)
+    block_idx = jax.jit(functools.partial(select_blocks, **selection, interpret=True))(
+        *f32[:2], lse)
+    want_idx = jax.jit(functools.partial(select_blocks_reference, **selection))(*f32[:2], lse)
     assert float(jnp.mean(block_idx == want_idx)) >= 0.99   # near-ties may flip
 
     k, v = _normal(rng, B, T, G, d_k), _normal(rng, B, T, G, d_v)
@@ -155,10 +159,10 @@ def test_kernels_run_the_profile_tiles(monkeypatch, profile, d_k, d_v):
     def selected_loss(fn, q, k, v, **kw):
         return jnp.sum(fn(q, k, v, idx, CFG.sel_block, **kw).astype(jnp.float32) ** 2)
 
-    got = jax.grad(lambda *a: selected_loss(selected_attention, *a, interpret=True),
-                   argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(lambda *a: selected_loss(selected_attention_reference, *a),
-                    argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    got = jax.jit(jax.grad(lambda *a: selected_loss(selected_attention, *a, interpret=True),
+                           argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(lambda *a: selected_loss(selected_attention_reference, *a),
+                            argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))
     for g, w in zip(got, want):
         assert rel_err(g, w) <= BF16_TOL
 

@@ -6,6 +6,8 @@ The FlashAttention-3 wrappers run on a CPU over float64 stand-ins of `flash_attn
 and backward primitives (their layout: lse `[B, N, S]`, a `(left, right)` window), and on a GPU
 over the real package where it is installed.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,10 +45,12 @@ def inputs(key, B, T, H, G, d_k, d_v, cfg, dtype):
 
 def outputs_and_grads(fn, do, *args):
     """`fn(*args)`'s outputs (o, or o and lse) and the gradients of `args` for the cotangent
-    `do` on o (zero on the lse)."""
-    out, pullback = jax.vjp(fn, *args)
-    cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
-    return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+    `do` on o (zero on the lse), jitted: one compilation instead of one an operation."""
+    def run(do, *args):
+        out, pullback = jax.vjp(fn, *args)
+        cot = (do, jnp.zeros_like(out[1])) if isinstance(out, tuple) else do
+        return (*(out if isinstance(out, tuple) else (out,)), *pullback(cot))
+    return jax.jit(run)(do, *args)
 
 
 def after_first_block(result, l):
@@ -78,13 +82,15 @@ def test_fold_matches_brute_force(x64, T, l, d, d_v):
         seen.append((q_sq.shape[1], k_sq.shape[1]))
         return causal_f64(q_sq, k_sq, v_sq, scale)
 
-    o, lse = cudnn.compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, attend=attend)
+    o, lse = jax.jit(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=scale,
+                                                                attend=attend))(q, k_cmp, v_cmp)
     n = num_cmp_blocks(cfg, T)
     assert seen == [(n + n % 2, n + n % 2)]
     o_bf, _ = bf_compressed_attention(np.asarray(q), np.asarray(k_cmp), np.asarray(v_cmp), cfg,
                                       scale)
-    _, lse_ref = xla_compressed_attention(q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True,
-                                          options=XlaOptions(compressed_cudnn=False))
+    _, lse_ref = jax.jit(lambda q, k, v: xla_compressed_attention(
+        q, k, v, cfg, scale=scale, return_lse=True,
+        options=XlaOptions(compressed_cudnn=False)))(q, k_cmp, v_cmp)
     assert o.shape == (B, T, H, d_v) and lse.shape == (B, T, H)
     assert rel_err(o, o_bf) <= 1e-12
     assert np.all(np.isneginf(lse[:, :l - 1])) and np.all(np.isfinite(lse[:, l - 1:]))
@@ -97,7 +103,7 @@ def test_fold_gradients_match_chunked_path(x64):
     do = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float64)
 
     def grads(fn):
-        return jax.vjp(fn, q, k_cmp, v_cmp)[1](do)
+        return jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))(q, k_cmp, v_cmp, do)
 
     got = grads(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=0.3,
                                                             attend=causal_f64)[0])
@@ -263,20 +269,23 @@ def test_fa3_compressed_fold_matches_chunked_path(x64, fa3_f64):
     q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(3), 2, 45, 4, 2, 8, 6, cfg, jnp.float64)
     do = jax.random.normal(jax.random.PRNGKey(4), (2, 45, 4, 6), jnp.float64)
 
-    def run(fn):
-        (o, lse), pullback = jax.vjp(fn, q, k_cmp, v_cmp)
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(fn, q, k, v, do):
+        (o, lse), pullback = jax.vjp(fn, q, k, v)
         return (o, lse, *pullback((do, jnp.ones_like(lse))))  # lse's cotangent goes nowhere
 
     got = run(lambda q, k, v: cudnn.compressed_attention(q, k, v, cfg, scale=0.3,
-                                                          attend=cudnn.fa3_causal_attention))
+                                                          attend=cudnn.fa3_causal_attention),
+              q, k_cmp, v_cmp, do)
     want = run(lambda q, k, v: xla_compressed_attention(
-        q, k, v, cfg, scale=0.3, return_lse=True, options=XlaOptions(compressed_cudnn=False)))
+        q, k, v, cfg, scale=0.3, return_lse=True, options=XlaOptions(compressed_cudnn=False)),
+        q, k_cmp, v_cmp, do)
     got_lse, want_lse = got[1][:, 7:], want[1][:, 7:]
     assert np.all(np.isneginf(got[1][:, :7]))
     assert rel_err(got_lse, want_lse) <= 1e-12
-    want_no_lse_grad = jax.vjp(lambda q, k, v: xla_compressed_attention(
-        q, k, v, cfg, scale=0.3, options=XlaOptions(compressed_cudnn=False)), q, k_cmp,
-        v_cmp)[1](do)
+    want_no_lse_grad = outputs_and_grads(lambda q, k, v: xla_compressed_attention(
+        q, k, v, cfg, scale=0.3, options=XlaOptions(compressed_cudnn=False)), do, q, k_cmp,
+        v_cmp)[1:]
     for name, g, w in zip(("o", "dq", "dk", "dv"), (got[0], *got[2:]),
                           (want[0], *want_no_lse_grad)):
         assert rel_err(g, w) <= 1e-12, name

@@ -1,6 +1,8 @@
 """Pallas decode kernels (`pallas_kernels.decode`) in interpret mode against their plain-JAX
 references and a NumPy brute force, the banded selection scores against the dense overlap
 matrix, and `decode_step(..., backend="pallas")` against the full layer at every position."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,19 +13,38 @@ from jax_inputs import make_inputs
 from nsa_common.testing import rel_err
 from nsa_common import NSAConfig, overlap_weights
 from nsa_jax.pallas_backend import PallasOptions
-from nsa_jax.xla.select_blocks import band_scores
+from nsa_jax.xla.select_blocks import band_scores, top_blocks
 from pallas_kernels import decode as D
 
 F32_TOL = 1e-5
 
 
+# The plain-JAX references and the unfused selection, jitted: one compilation a shape instead of
+# one an operation.
+compressed_reference = jax.jit(D.decode_compressed_reference,
+                               static_argnames=("cmp_block", "cmp_stride", "scale"))
+selected_window_reference = jax.jit(D.decode_selected_window_reference,
+                                    static_argnames=("sel_block", "window", "scale"))
+compressed_select_reference = jax.jit(
+    D.decode_compressed_select_reference,
+    static_argnames=("cmp_block", "cmp_stride", "sel_block", "n_sel", "n_init", "n_local",
+                     "n_blocks", "scale"))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "n_blocks"))
+def unfused_blocks(p_group, t, cfg, n_blocks):
+    """The unfused path's blocks: `band_scores` of the group probabilities `[B, G, C]`, then
+    `top_blocks` at positions t `[B]`."""
+    return top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg)
+
+
 def _inputs(B, H, G, dk, dv, C, L, ring, dtype, seed=0):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 7)
-    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
-    return dict(q=normal(keys[0], (B, H, dk)),
-                k_cmp=normal(keys[1], (B, C, G, dk)), v_cmp=normal(keys[2], (B, C, G, dv)),
-                k_sel=normal(keys[3], (B, L, G, dk)), v_sel=normal(keys[4], (B, L, G, dv)),
-                k_win=normal(keys[5], (B, ring, G, dk)), v_win=normal(keys[6], (B, ring, G, dv)))
+    rng = np.random.default_rng(seed)
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)  # noqa: E731
+    return dict(q=normal((B, H, dk)),
+                k_cmp=normal((B, C, G, dk)), v_cmp=normal((B, C, G, dv)),
+                k_sel=normal((B, L, G, dk)), v_sel=normal((B, L, G, dv)),
+                k_win=normal((B, ring, G, dk)), v_win=normal((B, ring, G, dv)))
 
 
 def _block_idx(B, G, n_sel, t, l_sel, seed):
@@ -82,8 +103,8 @@ def test_kernels_match_reference_and_brute_force(shape):
         if t >= L or t < 0:
             continue
         o, lse, p = compressed(x["q"], x["k_cmp"], x["v_cmp"], t)
-        o_r, lse_r, p_r = D.decode_compressed_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
-                                                        cmp_block=l, cmp_stride=d, scale=scale)
+        o_r, lse_r, p_r = compressed_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
+                                               cmp_block=l, cmp_stride=d, scale=scale)
         np.testing.assert_allclose(o, o_r, atol=2e-6)
         np.testing.assert_allclose(p, p_r, atol=2e-6)
         assert np.array_equal(np.isinf(lse), np.isinf(lse_r))
@@ -92,7 +113,7 @@ def test_kernels_match_reference_and_brute_force(shape):
         idx = _block_idx(B, G, n_sel, t, l_sel, seed=t)
         o_sel, o_win = selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
                                        x["v_win"], t)
-        ref_sel, ref_win = D.decode_selected_window_reference(
+        ref_sel, ref_win = selected_window_reference(
             x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"], t, sel_block=l_sel,
             window=w, scale=scale)
         np.testing.assert_allclose(o_sel, ref_sel, atol=2e-6)
@@ -122,21 +143,23 @@ def test_kernels_take_a_position_per_row():
     t = jnp.array([5, 99, 40], jnp.int32)
     idx = jnp.concatenate([_block_idx(1, G, 4, int(t_b), 16, seed=b)
                            for b, t_b in enumerate(t)])
-    o, lse, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=8,
-                                    cmp_stride=4, scale=0.3, interpret=True)
-    o_sel, o_win = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
-                                            x["v_win"], t, sel_block=16, window=24, scale=0.3,
-                                            interpret=True)
+    compressed = jax.jit(functools.partial(D.decode_compressed, cmp_block=8, cmp_stride=4,
+                                           scale=0.3, interpret=True))
+    selected_window = jax.jit(functools.partial(D.decode_selected_window, sel_block=16,
+                                                window=24, scale=0.3, interpret=True))
+    o, lse, p = compressed(x["q"], x["k_cmp"], x["v_cmp"], t)
+    o_sel, o_win = selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"],
+                                   t)
+    rows = {k: np.asarray(v) for k, v in x.items()}
     for b, t_b in enumerate(np.asarray(t)):
-        row = {k: v[b:b + 1] for k, v in x.items()}
-        o_r, _, p_r = D.decode_compressed_reference(row["q"], row["k_cmp"], row["v_cmp"],
-                                                    int(t_b), cmp_block=8, cmp_stride=4,
-                                                    scale=0.3)
+        row = {k: v[b:b + 1] for k, v in rows.items()}
+        o_r, _, p_r = compressed_reference(row["q"], row["k_cmp"], row["v_cmp"], int(t_b),
+                                           cmp_block=8, cmp_stride=4, scale=0.3)
         np.testing.assert_allclose(o[b:b + 1], o_r, atol=2e-6)
         np.testing.assert_allclose(p[b:b + 1], p_r, atol=2e-6)
-        sel_r, win_r = D.decode_selected_window_reference(
-            row["q"], row["k_sel"], row["v_sel"], idx[b:b + 1], row["k_win"], row["v_win"],
-            int(t_b), sel_block=16, window=24, scale=0.3)
+        sel_r, win_r = selected_window_reference(
+            row["q"], row["k_sel"], row["v_sel"], np.asarray(idx)[b:b + 1], row["k_win"],
+            row["v_win"], int(t_b), sel_block=16, window=24, scale=0.3)
         np.testing.assert_allclose(o_sel[b:b + 1], sel_r, atol=2e-6)
         np.testing.assert_allclose(o_win[b:b + 1], win_r, atol=2e-6)
 
@@ -149,8 +172,8 @@ def test_kernels_bfloat16_and_empty_rows():
     for t in (10, 150):   # t = 10 < l - 1: no compressed block yet
         o, lse, p = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=32,
                                         cmp_stride=16, scale=0.125, interpret=True)
-        o_r, _, p_r = D.decode_compressed_reference(f32["q"], f32["k_cmp"], f32["v_cmp"], t,
-                                                    cmp_block=32, cmp_stride=16, scale=0.125)
+        o_r, _, p_r = compressed_reference(f32["q"], f32["k_cmp"], f32["v_cmp"], t,
+                                           cmp_block=32, cmp_stride=16, scale=0.125)
         assert o.dtype == jnp.bfloat16 and p.dtype == jnp.float32
         if t < 31:
             assert not np.any(np.asarray(o, np.float32)) and np.all(np.isneginf(lse))
@@ -162,9 +185,9 @@ def test_kernels_bfloat16_and_empty_rows():
         got = D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
                                        x["v_win"], t, sel_block=64, window=64, scale=0.125,
                                        interpret=True)
-        ref = D.decode_selected_window_reference(f32["q"], f32["k_sel"], f32["v_sel"], idx,
-                                                 f32["k_win"], f32["v_win"], t, sel_block=64,
-                                                 window=64, scale=0.125)
+        ref = selected_window_reference(f32["q"], f32["k_sel"], f32["v_sel"], idx,
+                                        f32["k_win"], f32["v_win"], t, sel_block=64,
+                                        window=64, scale=0.125)
         for a, r in zip(got, ref):
             assert a.dtype == jnp.bfloat16 and rel_err(a, r) <= 1e-2
 
@@ -208,7 +231,7 @@ def test_decode_ranking_equals_the_sort(n_blocks, n_sel):
     same blocks as `top_blocks`' sort on tie-heavy rows (ties, +-0, +inf, rows with fewer
     eligible blocks than n_sel)."""
     import pallas_kernels
-    from nsa_jax.xla.select_blocks import rank_scores, top_blocks
+    from nsa_jax.xla.select_blocks import rank_scores
 
     cfg = NSAConfig.paper(d_k=128, n_sel=n_sel)
     scores = jnp.asarray(_tie_heavy_scores(24, n_blocks, seed=n_blocks))
@@ -231,6 +254,19 @@ SELECT_SHAPES = [
 SELECT_TILES = [(16, True), (64, True), (16, False)]  # block_sel, contiguous
 
 
+def _fused_select(q, k_cmp, v_cmp, t, tiles, **kw):
+    """`decode_compressed_select` in interpret mode with the tiles `DecodeBlockSizes`, jitted."""
+    select = jax.jit(functools.partial(D.decode_compressed_select, interpret=True,
+                                       block_sizes=tiles, **kw))
+    return select(q, k_cmp, v_cmp, t)
+
+
+def _unfused_compressed(q, k_cmp, v_cmp, t, **kw):
+    """`decode_compressed` in interpret mode (the unfused selection's probabilities), jitted."""
+    compressed = jax.jit(functools.partial(D.decode_compressed, interpret=True, **kw))
+    return compressed(q, k_cmp, v_cmp, t)
+
+
 def _select_case(tiles, shape):
     """The default run keeps the first shape on every tiling and two more on the first; the rest
     is slow."""
@@ -247,23 +283,19 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     reference, with the same o and lse, rows at different positions (one before any block);
     selection programs of 16 and 64 blocks, the slots read as contiguous tiles (where l_sel / d
     is a power of two) or with strided loads only."""
-    from nsa_jax.xla.select_blocks import top_blocks
-
     B, H, G = 4, 8, 2
     x = _inputs(B, H, G, 16, 16, C, 64, 32, jnp.float32, seed=C)
     t = jnp.asarray([n_blocks * l_sel - 1, l_sel * 2 + 3, l - 2, (C - 1) * d + l - 1], jnp.int32)
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
     tiles = D.DecodeBlockSizes(block_sel=block_sel, select_contiguous=contiguous)
-    o, lse, idx = D.decode_compressed_select(x["q"], x["k_cmp"], x["v_cmp"], t, interpret=True,
-                                             block_sizes=tiles, **kw)
-    o_r, lse_r, idx_r = D.decode_compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t,
-                                                             **kw)
-    o_u, lse_u, p_group = D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=l,
-                                              cmp_stride=d, scale=0.3, interpret=True)
+    o, lse, idx = _fused_select(x["q"], x["k_cmp"], x["v_cmp"], t, tiles, **kw)
+    o_r, lse_r, idx_r = compressed_select_reference(x["q"], x["k_cmp"], x["v_cmp"], t, **kw)
+    o_u, lse_u, p_group = _unfused_compressed(x["q"], x["k_cmp"], x["v_cmp"], t, cmp_block=l,
+                                              cmp_stride=d, scale=0.3)
     cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1,
                          n_local=2, window=l_sel)
-    want = np.asarray(top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg))
+    want = np.asarray(unfused_blocks(p_group, t, cfg, n_blocks))
     np.testing.assert_array_equal(np.asarray(idx), want)
     np.testing.assert_array_equal(np.asarray(idx_r), want)
     assert rel_err(o, o_u) <= F32_TOL and rel_err(o, o_r) <= F32_TOL
@@ -374,8 +406,6 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel, cont
     """q = 0: every visible compressed block gets the same probability, so interior selection
     blocks tie; the fused selection picks the lowest ones, as `top_blocks`, whatever the
     blocks per program."""
-    from nsa_jax.xla.select_blocks import top_blocks
-
     B, H, G, l, d, l_sel, n_sel, n_blocks, C = 2, 4, 2, 8, 4, 16, 5, 100, 400
     x = _inputs(B, H, G, 16, 16, C, 64, 32, jnp.float32, seed=9)
     q = jnp.zeros_like(x["q"])
@@ -383,13 +413,12 @@ def test_decode_compressed_select_breaks_ties_to_the_lower_block(block_sel, cont
     kw = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
               n_blocks=n_blocks, scale=0.3)
     tiles = D.DecodeBlockSizes(block_sel=block_sel, select_contiguous=contiguous)
-    _, _, idx = D.decode_compressed_select(q, x["k_cmp"], x["v_cmp"], t, interpret=True,
-                                           block_sizes=tiles, **kw)
-    _, _, p_group = D.decode_compressed(q, x["k_cmp"], x["v_cmp"], t, cmp_block=l, cmp_stride=d,
-                                        scale=0.3, interpret=True)
+    _, _, idx = _fused_select(q, x["k_cmp"], x["v_cmp"], t, tiles, **kw)
+    _, _, p_group = _unfused_compressed(q, x["k_cmp"], x["v_cmp"], t, cmp_block=l, cmp_stride=d,
+                                        scale=0.3)
     cfg = NSAConfig.tiny(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1,
                          n_local=2, window=l_sel)
-    want = np.asarray(top_blocks(band_scores(p_group, cfg, n_blocks), t[:, None], cfg))
+    want = np.asarray(unfused_blocks(p_group, t, cfg, n_blocks))
     np.testing.assert_array_equal(np.asarray(idx), want)
 
 

@@ -4,6 +4,9 @@ must agree exactly; the exact ties of the spec (forced blocks, zero scores) are 
 on both sides."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +20,21 @@ from pallas_kernels.compressed_attention import (
     compressed_lse,
 )
 from pallas_kernels.select_blocks import BlockSizes, select_blocks, select_blocks_reference
+
+
+# The kernel in interpret mode and the references, jitted with every other argument static: one
+# compilation a shape and setting instead of one an operation.
+_SELECTION = ("cmp_block", "cmp_stride", "sel_block", "n_sel", "n_init", "n_local", "scale")
+select_blocks_jit = jax.jit(select_blocks,
+                            static_argnames=_SELECTION + ("block_sizes", "interpret"))
+select_blocks_reference_jit = jax.jit(select_blocks_reference, static_argnames=_SELECTION)
+
+
+@functools.partial(jax.jit, static_argnames=("cmp_block", "cmp_stride"))
+def lse_reference(q, k_cmp, *, cmp_block, cmp_stride):
+    """The log-sum-exp `[B, T, H]` of `compressed_attention_reference` (k_cmp as the values)."""
+    return compressed_attention_reference(q, k_cmp, k_cmp, cmp_block=cmp_block,
+                                          cmp_stride=cmp_stride)[1]
 
 
 def make_inputs(seed, B, T, H, G, d_k, l, d):
@@ -62,13 +80,12 @@ def test_matches_reference_and_brute_force(case):
     shape, sel, block_q = case
     q, k = make_inputs(0, *shape, *sel[:2])
     kw = selection(*sel)
-    _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
-                                            cmp_stride=kw["cmp_stride"])
+    lse = lse_reference(q, k, cmp_block=kw["cmp_block"], cmp_stride=kw["cmp_stride"])
     sizes = BlockSizes(layout="rows", topn="pallas", block_q=block_q, block_sel=16)
-    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
+    block_idx = select_blocks_jit(q, k, lse, block_sizes=sizes, interpret=True, **kw)
     B, T, H, G, _ = shape
     assert block_idx.shape == (B, T, G, kw["n_sel"]) and block_idx.dtype == jnp.int32
-    np.testing.assert_array_equal(block_idx, select_blocks_reference(q, k, lse, **kw))
+    np.testing.assert_array_equal(block_idx, select_blocks_reference_jit(q, k, lse, **kw))
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
@@ -80,10 +97,9 @@ def test_heads_layout_matches_brute_force(case):
     shape, sel, block_q = case
     q, k = make_inputs(0, *shape, *sel[:2])
     kw = selection(*sel)
-    _, lse = compressed_attention_reference(q, k, k, cmp_block=kw["cmp_block"],
-                                            cmp_stride=kw["cmp_stride"])
+    lse = lse_reference(q, k, cmp_block=kw["cmp_block"], cmp_stride=kw["cmp_stride"])
     sizes = BlockSizes(layout="heads", block_queries=block_q // 2, block_sel=16)
-    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
+    block_idx = select_blocks_jit(q, k, lse, block_sizes=sizes, interpret=True, **kw)
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
@@ -95,9 +111,9 @@ def test_heads_layout_column_parts(d_k, split_dk):
     either way. Both give the brute force's blocks."""
     q, k = make_inputs(3, 1, 130, 4, 2, d_k, 8, 4)
     kw = selection(8, 4, 16, 4, 1, 2)
-    _, lse = compressed_attention_reference(q, k, k, cmp_block=8, cmp_stride=4)
+    lse = lse_reference(q, k, cmp_block=8, cmp_stride=4)
     sizes = BlockSizes(layout="heads", block_queries=32, block_sel=16, split_dk=split_dk)
-    block_idx = select_blocks(q, k, lse, block_sizes=sizes, interpret=True, **kw)
+    block_idx = select_blocks_jit(q, k, lse, block_sizes=sizes, interpret=True, **kw)
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
@@ -140,8 +156,8 @@ def test_block_straddling_two_steps_scores_in_both():
     k = 0.5 * rng.standard_normal((1, (T - l) // d + 1, 1, d_k), dtype=np.float32)
     k[0, span - 1, 0] = 4 * direction
     q, k = jnp.asarray(q), jnp.asarray(k)
-    _, lse = compressed_attention_reference(q, k, k, cmp_block=l, cmp_stride=d)
-    block_idx = np.asarray(select_blocks(q, k, lse, interpret=True, **kw))
+    lse = lse_reference(q, k, cmp_block=l, cmp_stride=d)
+    block_idx = np.asarray(select_blocks_jit(q, k, lse, interpret=True, **kw))
     late = np.arange(T) >= (step + 2) * l_sel  # where neither block is forced any more
     assert np.isin(block_idx[0, late, 0], [step - 1]).any(axis=-1).all()
     assert np.isin(block_idx[0, late, 0], [step]).any(axis=-1).all()
@@ -152,9 +168,11 @@ def test_lse_from_the_compressed_attention_kernel():
     """The pipeline as the layer runs it: the kernel's own lse feeds the selection."""
     q, k = make_inputs(1, 1, 120, 8, 2, 32, 8, 4)
     kw = selection(8, 4, 16, 4, 1, 2)
-    _, lse = compressed_attention(q, k, k, cmp_block=8, cmp_stride=4, interpret=True)
-    block_idx = select_blocks(q, k, lse, interpret=True, **kw)
-    np.testing.assert_array_equal(block_idx, select_blocks_reference(q, k, **kw))
+    kernel = jax.jit(functools.partial(compressed_attention, cmp_block=8, cmp_stride=4,
+                                       interpret=True))
+    _, lse = kernel(q, k, k)
+    block_idx = select_blocks_jit(q, k, lse, interpret=True, **kw)
+    np.testing.assert_array_equal(block_idx, select_blocks_reference_jit(q, k, **kw))
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
 
 
@@ -164,9 +182,9 @@ def test_no_compressed_block_yet():
     assert k.shape[1] == 0
     kw = selection(8, 4, 8, 3, 1, 1)
     lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
-    block_idx = select_blocks(q, k, lse, interpret=True, **kw)
+    block_idx = select_blocks_jit(q, k, lse, interpret=True, **kw)
     np.testing.assert_array_equal(block_idx, brute_force(q, k, kw))
-    np.testing.assert_array_equal(block_idx, select_blocks_reference(q, k, lse, **kw))
+    np.testing.assert_array_equal(block_idx, select_blocks_reference_jit(q, k, lse, **kw))
 
 
 def test_bad_inputs_raise_value_error():
@@ -206,13 +224,13 @@ def test_top_n_methods_agree(topn, head_sum_dot):
     q, k = make_inputs(5, 1, 300, 2, 1, 16, 4, 2)
     kw = selection(4, 2, 8, 4, 1, 2)
     lse = compressed_lse(q, k, cmp_block=4, cmp_stride=2, interpret=True)
-    expected = select_blocks(q, k, lse, interpret=True, **kw,
-                             block_sizes=BlockSizes(block_q=64, block_sel=16,
-                                                    score_bytes=64 * 4 * 64))
+    expected = select_blocks_jit(q, k, lse, interpret=True, **kw,
+                                 block_sizes=BlockSizes(block_q=64, block_sel=16,
+                                                        score_bytes=64 * 4 * 64))
     np.testing.assert_array_equal(expected, brute_force(q, k, kw))
-    got = select_blocks(q, k, lse, interpret=True, **kw,
-                        block_sizes=BlockSizes(block_q=64, block_sel=16, topn=topn,
-                                               head_sum_dot=head_sum_dot))
+    got = select_blocks_jit(q, k, lse, interpret=True, **kw,
+                            block_sizes=BlockSizes(block_q=64, block_sel=16, topn=topn,
+                                                   head_sum_dot=head_sum_dot))
     np.testing.assert_array_equal(got, expected)
 
 
