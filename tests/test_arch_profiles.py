@@ -325,10 +325,18 @@ def _routing_inputs(d_k, d_v):
     return q, _normal(rng, 1, 32, 2, d_k), _normal(rng, 1, 32, 2, d_v)
 
 
+def _window(backend, q, k, v, **kw):
+    """`sliding_window_attention` through dispatch on `backend`, jitted: one compilation
+    instead of one an operation (the routing is decided while tracing, as eagerly)."""
+    return jax.jit(lambda q, k, v: dispatch.call("sliding_window_attention", backend, q, k, v,
+                                                 **kw))(q, k, v)
+
+
 def _compressed(q, k, v, options):
     cfg = CFG.replace(d_k=q.shape[-1], d_v=v.shape[-1])
-    dispatch.call("compressed_attention", "pallas", q, k[:, :7], v[:, :7], cfg, scale=0.1,
-                  return_lse=True, options=options)
+    jax.jit(lambda q, k, v: dispatch.call("compressed_attention", "pallas", q, k, v, cfg,
+                                          scale=0.1, return_lse=True, options=options))(
+        q, k[:, :7], v[:, :7])
 
 
 @pytest.mark.parametrize(*ROUTES)
@@ -339,8 +347,7 @@ def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profi
     monkeypatch.setenv("NSA_PROFILE", profile)
     options = _compiled(options, window_kernel=True)
     q, k, v = _routing_inputs(d_k, d_v)
-    dispatch.call("sliding_window_attention", "pallas", q, k, v, window=8, scale=0.1,
-                  options=options)
+    _window("pallas", q, k, v, window=8, scale=0.1, options=options)
     _compressed(q, k, v, options)
     assert paths == [path, path]
 
@@ -357,10 +364,8 @@ def test_window_runs_on_xla_by_default(monkeypatch, paths, profile, d_k, d_v, op
     with pytest.raises(NotImplementedError, match="window_kernel"):
         pallas_backend.sliding_window_attention(q, k, v, window=8, scale=0.1,
                                                 options=options["pallas"])
-    o = dispatch.call("sliding_window_attention", "pallas", q, k, v, window=8, scale=0.1,
-                      options=options)
-    want = dispatch.call("sliding_window_attention", "xla", q, k, v, window=8, scale=0.1,
-                         options=options)
+    o = _window("pallas", q, k, v, window=8, scale=0.1, options=options)
+    want = _window("xla", q, k, v, window=8, scale=0.1, options=options)
     _compressed(q, k, v, options)
     window_paths = [xla_window, xla_window] if xla_window else []   # backend "pallas", "xla"
     assert paths == window_paths + [path]
@@ -391,10 +396,8 @@ def test_window_falls_through_to_xla_with_a_reason(monkeypatch, paths, why, prof
             with pytest.raises(NotImplementedError, match=why):
                 pallas_backend.sliding_window_attention(q, k, v, window=5, scale=0.1,
                                                         options=options["pallas"])
-        o = dispatch.call("sliding_window_attention", "pallas", q, k, v, window=5, scale=0.1,
-                          segments=segments, options=options)
-        want = dispatch.call("sliding_window_attention", "xla", q, k, v, window=5, scale=0.1,
-                             segments=segments)
+        o = _window("pallas", q, k, v, window=5, scale=0.1, segments=segments, options=options)
+        want = _window("xla", q, k, v, window=5, scale=0.1, segments=segments)
         assert o.dtype == dtype
     assert paths == []
     np.testing.assert_array_equal(np.asarray(o), np.asarray(want))
