@@ -3,6 +3,8 @@ mode on CPU; the `gpu` tests compile it) against its plain-JAX reference, that r
 a NumPy float64 brute force, and the XLA dispatch entry (chunked, packed sequences) against both;
 the selection-alignment loss on the kernel equals it on XLA. Its fit on sm80 / sm89:
 test_arch_profiles.py::test_every_kernel_fits."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,9 @@ from pallas_kernels.selected_block_mass import (selected_block_mass,
 SHAPE = dict(B=2, T=100, H=6, G=2, d_k=96, l_sel=16, n_sel=5)
 EMPTY_AT = lambda T: 7 * T // 10  # noqa: E731 (the query whose last slot is -1)
 LATE_AT = lambda T: 4 * T // 10   # noqa: E731 (the query whose last slot starts after it)
+
+# The reference jitted (l_sel static): one compilation a shape instead of one an operation.
+reference = jax.jit(selected_block_mass_reference, static_argnums=3)
 
 
 def make_inputs(dtype, seed=0, B=2, T=100, H=6, G=2, d_k=96, l_sel=16, n_sel=5):
@@ -66,8 +71,7 @@ def bruteforce(q, k, idx, l_sel):
 def test_reference_matches_float64_bruteforce():
     q, k, idx = make_inputs(jnp.float32, B=1, T=40, H=4, G=2, d_k=8, l_sel=8, n_sel=3)
     with enable_x64():
-        got = selected_block_mass_reference(*(jnp.asarray(np.asarray(a, np.float64))
-                                              for a in (q, k)), idx, 8)
+        got = reference(*(jnp.asarray(np.asarray(a, np.float64)) for a in (q, k)), idx, 8)
     want = bruteforce(q, k, idx, 8)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     np.testing.assert_allclose(np.where(np.isfinite(want), got, 0),
@@ -78,8 +82,8 @@ def test_reference_matches_float64_bruteforce():
 def float32_case():
     q, k, idx = make_inputs(jnp.float32)
     with enable_x64():
-        ref = np.asarray(selected_block_mass_reference(
-            *(jnp.asarray(np.asarray(a, np.float64)) for a in (q, k)), idx, SHAPE["l_sel"]))
+        ref = np.asarray(reference(*(jnp.asarray(np.asarray(a, np.float64)) for a in (q, k)),
+                                   idx, SHAPE["l_sel"]))
     return q, k, idx, ref
 
 
@@ -92,8 +96,8 @@ def assert_close(got, ref, atol):
 
 def test_kernel_matches_float64_reference(float32_case):
     q, k, idx, ref = float32_case
-    got = selected_block_mass(q, k, idx, SHAPE["l_sel"], block_sizes=BlockSizes(),
-                              interpret=True)
+    got = jax.jit(functools.partial(selected_block_mass, block_size=SHAPE["l_sel"],
+                                    block_sizes=BlockSizes(), interpret=True))(q, k, idx)
     assert got.shape == idx.shape and got.dtype == jnp.float32
     got_np = np.asarray(got)
     assert np.isneginf(got_np[0, EMPTY_AT(100), 1, -1])
@@ -106,21 +110,24 @@ def test_kernel_matches_float64_reference(float32_case):
 def test_xla_entry_matches_reference_chunked_and_packed(float32_case):
     q, k, idx, ref = float32_case
     l_sel = SHAPE["l_sel"]
-    got = xla_block_mass(q, k, idx, block_size=l_sel, scale=SHAPE["d_k"] ** -0.5, q_chunk=32,
-                         kv_blocks=2)
+    scale = SHAPE["d_k"] ** -0.5
+    got = jax.jit(functools.partial(xla_block_mass, block_size=l_sel, scale=scale, q_chunk=32,
+                                    kv_blocks=2))(q, k, idx)
     assert_close(got, ref, atol=1e-5)
     # Two sequences packed in one row: each sequence's own local blocks and positions.
     cfg = NSAConfig.tiny(sel_block=l_sel)
     T1 = 48
     segments = from_cu_seqlens(jnp.asarray([0, T1, 100], jnp.int32), 100, cfg)
     pos = np.asarray(segments.pos)
-    local_idx = np.concatenate([np.asarray(idx[:1, :T1]), np.asarray(idx[:1, :52])], axis=1)
-    packed_k = jnp.concatenate([k[:1, :T1], k[1:, :52]], axis=1)
-    packed_q = jnp.concatenate([q[:1, :T1], q[1:, :52]], axis=1)
-    got = xla_block_mass(packed_q, packed_k, jnp.asarray(local_idx), block_size=l_sel,
-                         scale=SHAPE["d_k"] ** -0.5, segments=segments)
-    first = selected_block_mass_reference(q[:1, :T1], k[:1, :T1], idx[:1, :T1], l_sel)
-    second = selected_block_mass_reference(q[1:, :52], k[1:, :52], idx[1:, :52], l_sel)
+    q, k, idx = (np.asarray(a) for a in (q, k, idx))
+    local_idx = np.concatenate([idx[:1, :T1], idx[:1, :52]], axis=1)
+    packed_k = np.concatenate([k[:1, :T1], k[1:, :52]], axis=1)
+    packed_q = np.concatenate([q[:1, :T1], q[1:, :52]], axis=1)
+    packed = jax.jit(lambda q, k, idx: xla_block_mass(q, k, idx, block_size=l_sel, scale=scale,
+                                                      segments=segments))
+    got = packed(packed_q, packed_k, local_idx)
+    first = reference(q[:1, :T1], k[:1, :T1], idx[:1, :T1], l_sel)
+    second = reference(q[1:, :52], k[1:, :52], idx[1:, :52], l_sel)
     assert pos[T1] == 0
     assert_close(got, np.concatenate([first, second], axis=1).astype(np.float64), atol=1e-5)
 
@@ -144,8 +151,8 @@ def test_alignment_loss_on_the_kernel_equals_xla():
     options = {"pallas": nsa_jax.PallasOptions(interpret=True)}
 
     def loss(backend, opts):
-        return jax.value_and_grad(lambda p: nsa_jax.selection_alignment_loss(
-            p, x, cfg, alignment=alignment, backend=backend, options=opts))(params)
+        return jax.jit(jax.value_and_grad(lambda p: nsa_jax.selection_alignment_loss(
+            p, x, cfg, alignment=alignment, backend=backend, options=opts)))(params)
 
     (l_xla, g_xla), (l_pallas, g_pallas) = loss("xla", None), loss("pallas", options)
     assert float(l_xla) > 1e-3
