@@ -35,12 +35,17 @@ def causal_f64(q, k, v, scale):
     return o, jnp.transpose(lse, (0, 2, 1))
 
 
-def inputs(key, B, T, H, G, d_k, d_v, cfg, dtype):
+def normal(rng, shape, dtype):
+    """Standard normal samples of NumPy's `rng` as a `dtype` array (NumPy draws them: no
+    compilation per shape)."""
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def inputs(seed, B, T, H, G, d_k, d_v, cfg, dtype):
     C = num_cmp_blocks(cfg, T)
-    kq, kk, kv = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (B, T, H, d_k), dtype),
-            jax.random.normal(kk, (B, C, G, d_k), dtype),
-            jax.random.normal(kv, (B, C, G, d_v), dtype))
+    rng = np.random.default_rng(seed)
+    return (normal(rng, (B, T, H, d_k), dtype), normal(rng, (B, C, G, d_k), dtype),
+            normal(rng, (B, C, G, d_v), dtype))
 
 
 def outputs_and_grads(fn, do, *args):
@@ -74,7 +79,7 @@ def test_fold_matches_brute_force(x64, T, l, d, d_v):
     multiple of d, d_v < d_k, and one block only (T = l); the queries t < l - 1 give 0 / -inf."""
     cfg = NSAConfig.tiny().replace(cmp_block=l, cmp_stride=d, sel_block=64)
     B, H, G, d_k = 2, 4, 2, 8
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(T), B, T, H, G, d_k, d_v, cfg, jnp.float64)
+    q, k_cmp, v_cmp = inputs(T, B, T, H, G, d_k, d_v, cfg, jnp.float64)
     scale = d_k ** -0.5
     seen = []
 
@@ -99,8 +104,8 @@ def test_fold_matches_brute_force(x64, T, l, d, d_v):
 
 def test_fold_gradients_match_chunked_path(x64):
     cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(1), 1, 45, 4, 2, 8, 8, cfg, jnp.float64)
-    do = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float64)
+    q, k_cmp, v_cmp = inputs(1, 1, 45, 4, 2, 8, 8, cfg, jnp.float64)
+    do = normal(np.random.default_rng(2), q.shape, jnp.float64)
 
     def grads(fn):
         return jax.jit(lambda q, k, v, do: jax.vjp(fn, q, k, v)[1](do))(q, k_cmp, v_cmp, do)
@@ -115,7 +120,7 @@ def test_fold_gradients_match_chunked_path(x64):
 
 def test_fold_refuses_missing_blocks():
     cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(0), 1, 32, 4, 2, 8, 8, cfg, jnp.float32)
+    q, k_cmp, v_cmp = inputs(0, 1, 32, 4, 2, 8, 8, cfg, jnp.float32)
     with pytest.raises(NotImplementedError, match="compressed blocks"):
         cudnn.compressed_attention(q, k_cmp[:, :-1], v_cmp[:, :-1], cfg, scale=1.0,
                                    attend=causal_f64)
@@ -138,9 +143,9 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
 
     cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
     B, T, H, G = 1, 4096, 16, 2
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(5), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    q, k_cmp, v_cmp = inputs(5, B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
     assert cudnn.takes(q, k_cmp, v_cmp)
-    do = jax.random.normal(jax.random.PRNGKey(6), (B, T, H, d_v), jnp.bfloat16)
+    do = normal(np.random.default_rng(6), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
 
     got = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
@@ -202,10 +207,10 @@ def test_cudnn_mla_form_goes_through_the_private_call(x64, monkeypatch):
     monkeypatch.setattr(cudnn, "_cudnn_private", lambda: (private, MaskType))
     assert not cudnn.cudnn_mla() or jax.default_backend() == "gpu"
     B, S, N, G, d_k, d_v, scale = 1, 24, 4, 2, 16, 8, 0.3
-    keys = jax.random.split(jax.random.PRNGKey(3), 3)
-    q = jax.random.normal(keys[0], (B, S, N, d_k), jnp.float64)
-    k = jax.random.normal(keys[1], (B, S, G, d_k), jnp.float64)
-    v = jax.random.normal(keys[2], (B, S, G, d_v), jnp.float64)
+    rng = np.random.default_rng(3)
+    q = normal(rng, (B, S, N, d_k), jnp.float64)
+    k = normal(rng, (B, S, G, d_k), jnp.float64)
+    v = normal(rng, (B, S, G, d_v), jnp.float64)
     want_o, want_lse = _attention_f64(q, k, v, scale, None)
     want_window = _attention_f64(q, k, v, scale, 5)[0]
     for mla, routes in ((True, [("private", d_v)] * 2),
@@ -237,8 +242,8 @@ def test_gpu_cudnn_mla_form_matches_padded_v():
         pytest.skip("cuDNN < 9.10 or not a Hopper GPU: no MLA form")
     cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
     B, T, H, G, d_k, d_v = 1, 4096, 16, 2, 192, 128
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(11), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
-    do = jax.random.normal(jax.random.PRNGKey(12), (B, T, H, d_v), jnp.bfloat16)
+    q, k_cmp, v_cmp = inputs(11, B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    do = normal(np.random.default_rng(12), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
     l = cfg.cmp_block
     form = {mla: outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
@@ -247,9 +252,9 @@ def test_gpu_cudnn_mla_form_matches_padded_v():
         for mla in (True, False)}
     assert_close_bf16(after_first_block(form[True], l), after_first_block(form[False], l),
                       ("o", "lse", "dq", "dk", "dv"))
-    k = k_cmp[:, :1].repeat(T, 1) + jax.random.normal(jax.random.PRNGKey(13), (B, T, G, d_k),
-                                                        jnp.bfloat16)
-    v = jax.random.normal(jax.random.PRNGKey(14), (B, T, G, d_v), jnp.bfloat16)
+    k = k_cmp[:, :1].repeat(T, 1) + normal(np.random.default_rng(13), (B, T, G, d_k),
+                                           jnp.bfloat16)
+    v = normal(np.random.default_rng(14), (B, T, G, d_v), jnp.bfloat16)
     window = {mla: outputs_and_grads(
         lambda q, k, v: cudnn.window_attention(q, k, v, window=512, scale=scale, fa3=False,
                                                mla=mla), do, q, k, v)
@@ -266,8 +271,8 @@ def test_fa3_compressed_fold_matches_chunked_path(x64, fa3_f64):
     """The compressed fold on the FA-3 wrapper: o, lse (laid out `[B, T, H]`, no gradient) and
     gradients against the chunked XLA path."""
     cfg = NSAConfig.tiny().replace(cmp_block=8, cmp_stride=4)
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(3), 2, 45, 4, 2, 8, 6, cfg, jnp.float64)
-    do = jax.random.normal(jax.random.PRNGKey(4), (2, 45, 4, 6), jnp.float64)
+    q, k_cmp, v_cmp = inputs(3, 2, 45, 4, 2, 8, 6, cfg, jnp.float64)
+    do = normal(np.random.default_rng(4), (2, 45, 4, 6), jnp.float64)
 
     @functools.partial(jax.jit, static_argnums=0)
     def run(fn, q, k, v, do):
@@ -297,12 +302,11 @@ def test_fa3_window_matches_banded_path(x64, fa3_f64, T, w, d_v):
     the banded XLA path: output and gradients."""
     from nsa_jax.xla.sliding_window import sliding_window_attention
 
-    key = jax.random.PRNGKey(T)
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (2, T, 4, 8), jnp.float64)
-    k = jax.random.normal(kk, (2, T, 2, 8), jnp.float64)
-    v = jax.random.normal(kv, (2, T, 2, d_v), jnp.float64)
-    do = jax.random.normal(kd, (2, T, 4, d_v), jnp.float64)
+    rng = np.random.default_rng(T)
+    q = normal(rng, (2, T, 4, 8), jnp.float64)
+    k = normal(rng, (2, T, 2, 8), jnp.float64)
+    v = normal(rng, (2, T, 2, d_v), jnp.float64)
+    do = normal(rng, (2, T, 4, d_v), jnp.float64)
 
     got = outputs_and_grads(
         lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=0.4), do, q, k, v)
@@ -339,8 +343,8 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
 
     cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
     B, T, H, G = 1, 4096, 16, 2
-    q, k_cmp, v_cmp = inputs(jax.random.PRNGKey(7), B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
-    do = jax.random.normal(jax.random.PRNGKey(8), (B, T, H, d_v), jnp.bfloat16)
+    q, k_cmp, v_cmp = inputs(7, B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)
+    do = normal(np.random.default_rng(8), (B, T, H, d_v), jnp.bfloat16)
     scale = d_k ** -0.5
     l = cfg.cmp_block
     got = outputs_and_grads(lambda q, k, v: cudnn.compressed_attention(
@@ -351,8 +355,8 @@ def test_gpu_fa3_matches_cudnn(d_k, d_v):
     assert_close_bf16(after_first_block(got, l), after_first_block(want, l),
                       ("o", "lse", "dq", "dk", "dv"))
     k, v = k_cmp[:, :1].repeat(T, 1), v_cmp[:, :1].repeat(T, 1)
-    k = k + jax.random.normal(jax.random.PRNGKey(9), k.shape, k.dtype)
-    v = v + jax.random.normal(jax.random.PRNGKey(10), v.shape, v.dtype)
+    k = k + normal(np.random.default_rng(9), k.shape, k.dtype)
+    v = v + normal(np.random.default_rng(10), v.shape, v.dtype)
     for w in (512, 100):
         got = outputs_and_grads(
             lambda q, k, v: cudnn.fa3_window_attention(q, k, v, window=w, scale=scale), do,

@@ -17,15 +17,15 @@ from nsa_jax import sharding
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_eight_device_cases(marker: str) -> None:
-    """test_sharding_mesh.py's tests selected by `-m marker`, in a subprocess with 8 fake CPU
-    devices: all pass, none skips."""
+def run_eight_device_cases(marker: str, keyword: str = "") -> None:
+    """test_sharding_mesh.py's tests selected by `-m marker` (and `-k keyword`), in a
+    subprocess with 8 fake CPU devices: all pass, none skips."""
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                           "-m", marker, os.path.join(HERE, "test_sharding_mesh.py")],
-                          cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
-                          timeout=1200)
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", marker,
+               "-k", keyword, os.path.join(HERE, "test_sharding_mesh.py")]
+    proc = subprocess.run(command, cwd=os.path.dirname(HERE), env=env, capture_output=True,
+                          text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " skipped" not in proc.stdout, proc.stdout[-2000:]
 
@@ -34,9 +34,13 @@ def test_eight_device_cases():
     run_eight_device_cases("not slow")
 
 
+# The slow cases in two processes of about a minute each, which two workers run side by side:
+# the cuDNN reproducer script (a layer gradient at T 2048) and all the others.
 @pytest.mark.slow
-def test_eight_device_slow_cases():
-    run_eight_device_cases("slow")
+@pytest.mark.parametrize("keyword", ["test_cudnn_repro_script", "not test_cudnn_repro_script"],
+                         ids=["repro_script", "others"])
+def test_eight_device_slow_cases(keyword):
+    run_eight_device_cases("slow", keyword)
 
 
 @pytest.mark.parametrize("cfg", [NSAConfig.tiny(), NSAConfig.tiny(shared_kv=True, compress="mean")])

@@ -3,7 +3,7 @@ their shardings, prefill + decode) over data, model and context axes alone and c
 Pallas path in interpret mode, and the errors of a mesh that does not fit.
 
 Needs `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts: `test_sharding.py`
-runs this module in such a subprocess (the tests marked slow in a second one, as the suite's slow
+runs this module in such a subprocess (the tests marked slow in two more, as the suite's slow
 run); in the ordinary one-device run it skips. The default run keeps the three axes combined, the
 halo-free context split, packed sequences and the errors; each axis alone, the Pallas and FA-3
 paths, decode and the scripts are the slow ones.
