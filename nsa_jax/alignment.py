@@ -48,8 +48,12 @@ tiles past a chunk's last query are skipped). Sparse: the target's per-slot mass
 dispatch entry `selected_block_mass` (T n_sel l_sel H d_k multiply-adds, the selected branch's
 score half): on `backend="pallas"` one Pallas kernel that reads each selected block's keys once
 per (token, group) and gathers nothing (`pallas_kernels.selected_block_mass`); on XLA, chunks
-that gather the keys as above (packed sequences always take XLA). The importance p is the
-compressed attention `[B, q_chunk, H, C]` per chunk, recomputed in the backward pass.
+that gather the keys as above (packed sequences always take XLA). The importance p: in dense
+mode the compressed scores of every block, `[B, q_chunk, H, C]` per chunk, recomputed in the
+backward pass (O(T C)); in sparse mode only at the selected blocks: the compressed attention's
+normaliser lse (one `compressed_attention` call on the backend, whose backward takes the lse's
+cotangent) and the scores of the few compressed blocks that overlap each selected block
+(O(T n_sel) beyond that call).
 
 Numerics. Scores and softmax in float32 (float64 for float64 inputs), and both distributions
 in log space: a block's mass never underflows to a log of 0, and where the compressed attention
@@ -186,7 +190,8 @@ def _loss_unchecked(params, x, cu_seqlens, block_idx, *, cfg: NSAConfig,
             q_fixed, proj["k_sel"], cfg, segments=segments, block_idx=block_idx,
             alignment=alignment, backend=backend, options=options))
         kl, counted = kl_rows(q_ranked, k_cmp, log_target, cfg, segments=segments,
-                              block_idx=block_idx, alignment=alignment)
+                              block_idx=block_idx, alignment=alignment, backend=backend,
+                              options=options)
     n_counted = jnp.sum(counted)
     loss = jnp.sum(jnp.where(counted, kl, 0.0)) / jnp.maximum(n_counted, 1)
     return loss, kl, counted
@@ -344,27 +349,113 @@ def log_importance(q: jax.Array, k_cmp: jax.Array, q_pos: jax.Array, q_seg: jax.
     return _logsumexp(jnp.stack(terms, axis=-1), axis=-1)
 
 
+def compressed_lse(q: jax.Array, k_cmp: jax.Array, cfg: NSAConfig, *,
+                   segments: Optional[Segments], backend: dispatch.Backend = "xla",
+                   options: Optional[Mapping[str, Any]] = None) -> jax.Array:
+    """The log normaliser of p_cmp per query and head, `[B, T, H]` float32+ (-inf where no
+    compressed block is admissible), differentiable in q and k_cmp: the compressed attention's
+    lse from the `compressed_attention` dispatch entry (the Pallas kernel's backward takes an lse
+    cotangent as it takes dO), on a 16-wide zero value whose output is discarded. The fused
+    cuDNN / FlashAttention-3 paths are turned off for this call: their lse carries no
+    gradient."""
+    B, C, G, _ = k_cmp.shape
+    v = jnp.zeros((B, C, G, 16), k_cmp.dtype)
+    _, lse = dispatch.call("compressed_attention", backend, q, k_cmp, v, cfg, scale=cfg.scale,
+                           return_lse=True, segments=segments,
+                           options=_without_fused_compressed(options))
+    return lse
+
+
+def _without_fused_compressed(options: Optional[Mapping[str, Any]]) -> dict:
+    """`options` with `compressed_cudnn=False` for the XLA and Pallas backends."""
+    from nsa_jax import pallas_backend
+    from nsa_jax.xla import options as xla_options
+
+    out = dict(options or {})
+    for name, default in (("xla", xla_options.DEFAULT_OPTIONS),
+                          ("pallas", pallas_backend.DEFAULT_OPTIONS)):
+        out[name] = dataclasses.replace(out.get(name) or default, compressed_cudnn=False)
+    return out
+
+
+def log_importance_at(q: jax.Array, k_cmp: jax.Array, lse: jax.Array, blocks: jax.Array,
+                      q_pos: jax.Array, q_seg: jax.Array, cmp_offset: jax.Array,
+                      segments: Segments, cfg: NSAConfig) -> jax.Array:
+    """`log_importance` at the given blocks only: the same values, from the compressed blocks
+    that overlap them and the normaliser lse, with O(blocks) work per query instead of O(C).
+
+    q `[B, Q, H, d_k]`, k_cmp `[B, C, G, d_k]`, lse `[B, Q, H]` (`compressed_lse`), blocks int
+    `[B, Q, G, K]` (local selection blocks, -1 = none); q_pos, q_seg, cmp_offset `[B, Q]`. ->
+    `[B, Q, G, K]` (-inf where no admissible compressed block overlaps the block).
+    """
+    dtype = compute_dtype(q.dtype, k_cmp.dtype)
+    B, Q, G, K = blocks.shape
+    C = k_cmp.shape[1]
+    cmp_last, cmp_seg = cmp_block_metadata(segments, cfg)
+    r = cfg.sel_block // cfg.cmp_stride
+    weights = overlap_by_offset(cfg)
+    m = jnp.asarray([offset for offset, _ in weights], jnp.int32)
+    log_w = jnp.asarray([math.log(w) for _, w in weights], dtype)
+    local = blocks[..., None] * r + m                                          # [B, Q, G, K, M]
+    slot = cmp_offset[:, :, None, None, None] + local
+    in_range = (blocks[..., None] >= 0) & (local >= 0) & (slot < C)
+    slot = jnp.clip(slot, 0, max(C - 1, 0))
+    admissible = (in_range & (cmp_seg[slot] == q_seg[:, :, None, None, None])
+                  & (cmp_last[slot] <= q_pos[:, :, None, None, None]))
+    keys = gather_tokens(k_cmp, slot.reshape(B, Q, G, -1))                  # [B, Q, G, K*M, D]
+    scores = einsum("bqghd,bqgnd->bqghn", split_heads(q, G), keys, dtype) * cfg.scale
+    lse = split_heads(lse[..., None], G)[..., 0].astype(dtype)                 # [B, Q, G, h]
+    finite = jnp.isfinite(lse)
+    log_p = scores - jnp.where(finite, lse, 0.0)[..., None]
+    log_p = log_p.reshape(*log_p.shape[:4], K, len(weights))                  # [B, Q, G, h, K, M]
+    keep = admissible[:, :, :, None] & finite[..., None, None]
+    log_p = jnp.where(keep, log_p, -jnp.inf)
+    log_group = _logsumexp(log_p, axis=3)                                      # [B, Q, G, K, M]
+    return _logsumexp(log_group + log_w, axis=-1)
+
+
 def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfig, *,
             segments: Optional[Segments], block_idx: Optional[jax.Array],
-            alignment: AlignmentOptions):
+            alignment: AlignmentOptions, backend: dispatch.Backend = "xla",
+            options: Optional[Mapping[str, Any]] = None):
     """KL(target || p~) per query and group. q `[B, T, H, d_k]`, k_cmp `[B, C, G, d_k]`
     (compressed keys; slots per sequence when packed), log_target from `target_log_probs`.
-    -> (kl `[B, T, G]` in the compute dtype, counted bool `[B, T, G]`: J non-empty)."""
+    -> (kl `[B, T, G]` in the compute dtype, counted bool `[B, T, G]`: J non-empty).
+
+    Dense mode ranks every block: the compressed scores of all C blocks per query, chunk by
+    chunk (O(T C) work and its backward, in XLA). Sparse mode needs the importance of the
+    selected blocks only: the compressed attention's normaliser (`compressed_lse`, one call on
+    `backend`) and the scores of the compressed blocks that overlap each selected block
+    (`log_importance_at`), O(T n_sel) beyond that call.
+    """
     B, T = q.shape[:2]
     S = num_sel_blocks(cfg, T)
     pos, _, seg, cmp_offset = _layout(T, segments, B)
     packed = segments is not None
+    layout = segments
     if not packed:
-        segments = single_sequence(T, num_cmp_blocks(cfg, T), cfg)
+        layout = single_sequence(T, num_cmp_blocks(cfg, T), cfg)
     sparse = alignment.mode == "sparse"
     log_eps = math.log(alignment.eps)
+    no_blocks = k_cmp.shape[1] == 0   # T < l: no compressed block, no importance
+    extra = []
+    if sparse:
+        extra = [block_idx]
+        if not no_blocks:
+            extra.append(compressed_lse(q, k_cmp, cfg, segments=segments, backend=backend,
+                                        options=options))
 
-    def body(chunk_start, q_c, log_t, pos_c, seg_c, offset_c, *slots_c):
+    def body(chunk_start, q_c, log_t, pos_c, seg_c, offset_c, *sparse_c):
         del chunk_start
-        log_s = log_importance(q_c, k_cmp, pos_c, seg_c, offset_c, segments, S, cfg,
-                               packed=packed)
-        if sparse:
-            log_s = jnp.take_along_axis(log_s, jnp.clip(slots_c[0], 0, S - 1), axis=-1)
+        if sparse and no_blocks:
+            log_s = jnp.full(log_t.shape, -jnp.inf, log_t.dtype)
+        elif sparse:
+            slots_c, lse_c = sparse_c
+            log_s = log_importance_at(q_c, k_cmp, lse_c, slots_c, pos_c, seg_c, offset_c,
+                                      layout, cfg)
+        else:
+            log_s = log_importance(q_c, k_cmp, pos_c, seg_c, offset_c, layout, S, cfg,
+                                   packed=packed)
         is_candidate = log_t > -jnp.inf
         n = jnp.sum(is_candidate, axis=-1)
         log_s = jnp.where(is_candidate, log_s, -jnp.inf)
@@ -376,5 +467,4 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
         terms = jnp.exp(log_t) * (log_t - log_p)
         return jnp.sum(jnp.where(is_candidate, terms, 0.0), axis=-1), n > 0
 
-    return map_query_chunks(body, alignment.q_chunk, q, log_target, pos, seg, cmp_offset,
-                            *([block_idx] if sparse else []))
+    return map_query_chunks(body, alignment.q_chunk, q, log_target, pos, seg, cmp_offset, *extra)

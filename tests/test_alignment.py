@@ -111,11 +111,13 @@ def loss_with_aux(x, cfg, alignment, cu_seqlens=None):
 
 # -- against the brute force, float64 -------------------------------------------------------------
 # The dense case runs three query chunks (the last one padded) and three key tiles of three
-# blocks (the last one padded); the sparse one three tiles of two of its five slots. Compiles
+# blocks (the last one padded); the packed sparse one three tiles of two of its five slots, the
+# other one three query chunks (the importance from the compressed attention's lse). Compiles
 # dominate the test's time, so the packed dense case checks the loss alone.
 CASES = [pytest.param("dense", None, False, dict(q_chunk=40, kv_blocks=3), True, id="dense"),
          pytest.param("sparse", CU_SEQLENS, True, dict(kv_blocks=2), True,
                       id="sparse-packed-train_queries"),
+         pytest.param("sparse", None, False, dict(q_chunk=40), True, id="sparse"),
          pytest.param("dense", CU_SEQLENS, False, dict(kv_blocks=3), False, id="dense-packed")]
 
 
@@ -198,6 +200,20 @@ def test_finite_and_bounded_at_extreme_inputs(equal_case, x_scale, weight_scale)
     n_blocks = num_sel_blocks(EQUAL_CFG, 96)
     assert 0 <= float(value) <= np.log(1 / AlignmentOptions().eps + n_blocks)
     assert np.all(np.isfinite(np.asarray(aux["kl"])))
+    for g in jax.tree_util.tree_leaves(grads):
+        assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_sparse_finite_at_extreme_inputs(equal_case):
+    """Sparse mode takes the normaliser from the compressed attention and the scores from its
+    own products: at scores of 1e8 the two round differently, and the loss stays finite."""
+    params, _, _ = equal_case
+    x = jnp.asarray(1e4 * np.random.default_rng(7).standard_normal((2, 96, 32)), jnp.float32)
+    (value, aux), grads = jax.jit(jax.value_and_grad(lambda p, x: selection_alignment_loss(
+        p, x, EQUAL_CFG, alignment=AlignmentOptions(mode="sparse"), return_aux=True),
+        has_aux=True))(params, x)
+    assert np.asarray(aux["counted"]).any()
+    assert 0 <= float(value) <= np.log(1 / AlignmentOptions().eps + EQUAL_CFG.n_sel)
     for g in jax.tree_util.tree_leaves(grads):
         assert np.all(np.isfinite(np.asarray(g)))
 
