@@ -28,6 +28,7 @@ import dataclasses
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from nsa_common import NSAConfig
 from nsa_jax.xla import cudnn
@@ -74,6 +75,14 @@ class PallasOptions:
     shapes, else the Pallas window kernel; False runs the kernel (whose lse is available to
     callers of `pallas_kernels.window_attention`).
     window_blocks: the window kernel's tiles (None: the architecture's).
+    token_tile_overlap: where `selected_blocks` is None on sm90's profile (not in interpret
+    mode), the selected branch runs the kernel with token tiles of 2 (`tokens_fwd = tokens_dq =
+    2`: a program loads each block two neighbouring queries share once) when the selection's
+    `selection_overlap` (the mean share of blocks consecutive queries share) is at least this
+    value, else the one-token kernel; both are compiled and `lax.cond` picks one per call. On an
+    H100 (bench preset, selected branch alone) the tiles lost 4-5% on random selections (overlap
+    0.2), tied or won at 0.6 (8k: -0.7%, 64k: -6.9% forward+backward) and won at 0.8 (-5% /
+    -10%; bench/RESULTS.md, "Selections that neighbouring queries share"). None: always one token.
     """
 
     interpret: Optional[bool] = None
@@ -87,6 +96,13 @@ class PallasOptions:
     window_cudnn: bool = True
     fa3: bool = True
     cudnn_kernel: bool = True
+    token_tile_overlap: Optional[float] = 0.5
+
+    def __post_init__(self) -> None:
+        t = self.token_tile_overlap
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0 <= t <= 1):
+            raise ValueError(f"token_tile_overlap ({t!r}) must be None or a number in [0, 1]")
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:
@@ -157,9 +173,43 @@ def sliding_window_attention(q, k, v, *, window, scale,
 def selected_attention(q, k, v, block_idx, *, block_size, scale,
                        options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
-    return kernels.selected_attention(
-        q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
-        interpret=options.resolve_interpret())
+    interpret = options.resolve_interpret()
+    if (options.selected_blocks is not None or options.token_tile_overlap is None or interpret
+            or profiles.current().name != "sm90"):
+        return kernels.selected_attention(
+            q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
+            interpret=interpret)
+    return selected_attention_by_overlap(q, k, v, block_idx, block_size, scale,
+                                         threshold=options.token_tile_overlap,
+                                         interpret=interpret)
+
+
+def selection_overlap(block_idx: jax.Array) -> jax.Array:
+    """The mean share of blocks consecutive queries share, `|S_t & S_t+1| / n_sel` over every
+    (batch, query pair, KV head), a float32 scalar (0 for T < 2). block_idx int `[B, T, G,
+    n_sel]`, -1 padded; the forced blocks count."""
+    B, T, G, n = block_idx.shape
+    if T < 2 or n == 0:
+        return jnp.float32(0)
+    a, b = block_idx[:, :-1], block_idx[:, 1:]
+    shared = jnp.sum((a[..., :, None] == b[..., None, :]) & (a >= 0)[..., None], axis=(-2, -1))
+    return jnp.mean(shared.astype(jnp.float32)) / n
+
+
+def selected_attention_by_overlap(q, k, v, block_idx, block_size, scale, *, threshold: float,
+                                  interpret: bool = False):
+    """The selected attention kernel with token tiles of 2 where `selection_overlap(block_idx)
+    >= threshold`, else with one token a program (the architecture's other tiles in both):
+    `lax.cond` runs one of the two, forward and backward."""
+    base = profiles.block_sizes("selected", q.dtype, q.shape[-1], v.shape[-1])
+    tiled = dataclasses.replace(base, tokens_fwd=2, tokens_dq=2)
+
+    def run(block_sizes):
+        return lambda q, k, v, idx: kernels.selected_attention(
+            q, k, v, idx, block_size, scale, block_sizes=block_sizes, interpret=interpret)
+
+    return jax.lax.cond(selection_overlap(block_idx) >= threshold, run(tiled), run(base),
+                        q, k, v, block_idx)
 
 
 def selected_block_mass(q, k, block_idx, *, block_size, scale, q_chunk, kv_blocks,

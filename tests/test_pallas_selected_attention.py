@@ -5,6 +5,8 @@ CPU runs the kernels in interpret mode on small shapes; the `gpu` tests compile 
 and skip without one. Tolerances (spec): relative L2 error, float32 <= 1e-5 outputs / 1e-4
 gradients, bfloat16 / float16 <= 1e-2, against a float32 reference on the same (rounded) inputs.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -246,6 +248,63 @@ def test_token_tile_sizes_are_checked():
             BlockSizes(tokens_dq=bad)
 
 
+def numpy_overlap(block_idx) -> float:
+    """Mean |S_t & S_t+1| / n_sel over (batch, query pair, KV head), by sets."""
+    idx = np.asarray(block_idx)
+    B, T, G, n = idx.shape
+    shared = [len({int(x) for x in idx[b, t, g] if x >= 0} & {int(x) for x in idx[b, t + 1, g]})
+              for b in range(B) for t in range(T - 1) for g in range(G)]
+    return float(np.mean(shared)) / n
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def by_overlap_and_reference(threshold, l_sel, interpret, q, k, v, idx, do):
+    """(o, dq, dk, dv) of `selected_attention_by_overlap` and of the float32 reference."""
+    from nsa_jax.pallas_backend import selected_attention_by_overlap
+
+    o, pullback = jax.vjp(lambda q, k, v: selected_attention_by_overlap(
+        q, k, v, idx, l_sel, None, threshold=threshold, interpret=interpret), q, k, v)
+    o_ref, pullback_ref = jax.vjp(lambda q, k, v: selected_attention_reference(
+        q, k, v, idx, l_sel), *(x.astype(jnp.float32) for x in (q, k, v)))
+    return (o, *pullback(do.astype(o.dtype))), (o_ref, *pullback_ref(do))
+
+
+def coherent_selection(block_idx):
+    """block_idx with every odd query repeating its even neighbour's list (valid: the blocks
+    of t - 1 start at or before t)."""
+    return block_idx.at[:, 1::2].set(block_idx[:, 0::2])
+
+
+def test_token_tiles_chosen_by_overlap():
+    """`selected_attention_by_overlap`: the overlap statistic against sets, and both branches
+    (threshold 0: the tiles of 2 whatever the selection; 1: one token unless every list
+    repeats) against the reference, on a random selection and on one whose odd queries repeat
+    their even neighbour's list."""
+    from nsa_jax.pallas_backend import selection_overlap
+
+    l_sel = 8
+    q, k, v, block_idx, cotangent = make_inputs(52, 1, 60, 8, 2, 16, 8, 4, l_sel, jnp.float32)
+    coherent = coherent_selection(block_idx)
+    stats = [float(selection_overlap(idx)) for idx in (block_idx, coherent)]
+    for got, idx in zip(stats, (block_idx, coherent)):
+        assert got == pytest.approx(numpy_overlap(idx), rel=1e-6)
+    assert stats[0] < stats[1] < 1
+
+    for threshold in (0.0, 1.0):
+        for idx in (block_idx, coherent):
+            got, want = by_overlap_and_reference(threshold, l_sel, True, q, k, v, idx, cotangent)
+            for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+                assert rel_err(a, b) <= (1e-5 if name == "o" else 1e-4), (threshold, name)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
+def test_token_tile_overlap_is_checked(bad):
+    from nsa_jax import PallasOptions
+
+    with pytest.raises(ValueError, match="token_tile_overlap"):
+        PallasOptions(token_tile_overlap=bad)
+
+
 # --- GPU: the compiled Triton kernels -----------------------------------------------------------
 
 @gpu
@@ -271,6 +330,20 @@ def test_gpu_token_tiles_against_reference(tokens, d_k, T):
     inputs = make_inputs(9, 1, T, 64, 4, d_k, 128, 16, 64, jnp.bfloat16)
     check_against_reference(*inputs, 64, interpret=False, block_sizes=BlockSizes(
         dkv_chunk=256, tokens_fwd=tokens, tokens_dq=tokens, num_warps_fwd=4, num_warps_dq=4))
+
+
+@gpu
+@needs_gpu
+def test_gpu_token_tiles_chosen_by_overlap():
+    """The dispatch's two branches compiled (threshold 0: tiles of 2; 1: one token), bf16, the
+    bench preset's heads, on a random and on a coherent selection."""
+    q, k, v, block_idx, cotangent = make_inputs(10, 1, 1024, 64, 4, 128, 128, 16, 64,
+                                                jnp.bfloat16)
+    for threshold in (0.0, 1.0):
+        for idx in (block_idx, coherent_selection(block_idx)):
+            got, want = by_overlap_and_reference(threshold, 64, False, q, k, v, idx, cotangent)
+            for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+                assert rel_err(a, b) <= 1e-2, (threshold, name)
 
 
 @gpu
