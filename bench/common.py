@@ -142,14 +142,18 @@ def parse_int_list(text: str, name: str) -> list[int]:
 
 
 def parse_literal(value: str):
-    """A command-line setting's value: True / False, else an int where it is one, else the
-    string (`breakdown_prefill.py --variants`, `scripts/pallas_ptxas.py --set`)."""
+    """A command-line setting's value: True / False / None, else an int or a float where it is
+    one, else the string (`breakdown_prefill.py --variants`, `scripts/pallas_ptxas.py --set`)."""
     if value in ("True", "False"):
         return value == "True"
-    try:
-        return int(value)
-    except ValueError:
-        return value
+    if value == "None":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
