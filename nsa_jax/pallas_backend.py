@@ -75,14 +75,18 @@ class PallasOptions:
     shapes, else the Pallas window kernel; False runs the kernel (whose lse is available to
     callers of `pallas_kernels.window_attention`).
     window_blocks: the window kernel's tiles (None: the architecture's).
-    token_tile_overlap: where `selected_blocks` is None on sm90's profile (not in interpret
-    mode), the selected branch runs the kernel with token tiles of 2 (`tokens_fwd = tokens_dq =
-    2`: a program loads each block two neighbouring queries share once) when the selection's
-    `selection_overlap` (the mean share of blocks consecutive queries share) is at least this
-    value, else the one-token kernel; both are compiled and `lax.cond` picks one per call. On an
-    H100 (bench preset, selected branch alone) the tiles lost 4-5% on random selections (overlap
-    0.2), tied or won at 0.6 (8k: -0.7%, 64k: -6.9% forward+backward) and won at 0.8 (-5% /
-    -10%; bench/RESULTS.md, "Selections that neighbouring queries share"). None: always one token.
+    token_tile_overlap: from T = 32k (`TOKEN_TILE_MIN_T`), where `selected_blocks` is None on
+    sm90's profile (not in interpret mode), the selected branch runs the kernel with token tiles
+    of 2 (`tokens_fwd = tokens_dq = 2`: a program loads each block two neighbouring queries share
+    once) when the selection's `selection_overlap` (the mean share of blocks consecutive queries
+    share) is at least this value, else the one-token kernel; both are compiled and `lax.cond`
+    picks one per call. On an H100 (bench preset) the tiles alone lost 4-5% on random
+    selections (overlap 0.2), tied or won at 0.6 and won at 0.8; with the choice in the core at
+    64k: random selections unchanged (110.6 against 111.0 ms forward+backward), coherent ones
+    (overlap 0.8) 7.5% / 3.6% faster forward / forward+backward. At 8k the choice itself (a
+    conditional, which XLA's GPU runtime decides on the host) cost 0.5 ms of a 10.5 ms forward+
+    backward on random selections, so shorter sequences keep one token (bench/RESULTS.md,
+    "Selection workloads"). None: always one token.
     """
 
     interpret: Optional[bool] = None
@@ -111,6 +115,8 @@ class PallasOptions:
 
 
 DEFAULT_OPTIONS = PallasOptions()
+# The shortest sequence on which `token_tile_overlap` applies (PallasOptions).
+TOKEN_TILE_MIN_T = 32768
 
 
 def _fused_takes(options: PallasOptions, q, k, v) -> bool:
@@ -175,7 +181,7 @@ def selected_attention(q, k, v, block_idx, *, block_size, scale,
     options = options or DEFAULT_OPTIONS
     interpret = options.resolve_interpret()
     if (options.selected_blocks is not None or options.token_tile_overlap is None or interpret
-            or profiles.current().name != "sm90"):
+            or q.shape[1] < TOKEN_TILE_MIN_T or profiles.current().name != "sm90"):
         return kernels.selected_attention(
             q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
             interpret=interpret)
