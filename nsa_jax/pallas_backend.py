@@ -11,9 +11,10 @@ The two branches that fused attention can run (compressed and window) take, in o
 FlashAttention-3 where it takes the shapes (sm90 profile, head dims <= 128, `flash_attn3_jax`
 installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`, off inside a multi-device
 `shard_map`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
-XLA's chunked paths run only where a kernel declines. The window kernel is opt-in
-(`PallasOptions.window_kernel`): by default this adapter declines the window and backend
-`"xla"` runs it (FA-3, cuDNN or its chunked path, by `options["xla"]`).
+XLA's chunked paths run only where a kernel declines. The window follows the same order on a
+GPU (`PallasOptions.window_kernel`, default on there); in interpret mode, or with
+`window_kernel=False`, this adapter declines it and backend `"xla"` runs it (FA-3, cuDNN or its
+chunked path, by `options["xla"]`).
 
 Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select` (the compressed
 kernel, a selection kernel that turns its scores into the blocks' scores: head sums, overlap
@@ -60,16 +61,17 @@ class PallasOptions:
     cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
     Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
     window_kernel: run the window branch on this backend: FA-3 or cuDNN as below, else the
-    Pallas window kernel (`pallas_kernels.window_attention`, O(T w) time and memory). Off
-    (default), the adapter declines the window and backend `"xla"` runs it as it would alone
-    (FA-3 / cuDNN where `options["xla"]` allows them and they take the shapes, else its chunked
-    path); `window_cudnn` and `window_blocks` then go unused. Off until it is measured faster
-    than the paths it would replace: on an H100 with `NSA_PROFILE=sm89` at 32k (d_k 192, the
-    core on this backend) it took 35.44 ms forward and 226.5 ms forward+backward, against
-    20.98 / 64.94 ms before it and the sm89 tiles existed (docs/GPU.md, section 5); on an H100
-    with sm90's tiles (d 128, 64k) the core took 39.86 / 120.0 ms against 38.00 / 111.3 with
-    FA-3's window (bench/RESULTS.md, "The Pallas window kernel"). It is the
-    route to 64k on a 24 GB card, where XLA's chunked window runs out of memory (not measured).
+    Pallas window kernel (`pallas_kernels.window_attention`, O(T w) time and memory). None
+    (default): on a GPU, on; in interpret mode, off. Off, the adapter declines the window and
+    backend `"xla"` runs it as it would alone (FA-3 / cuDNN where `options["xla"]` allows them
+    and they take the shapes, else its chunked path). On, the kernel replaces only XLA's chunked
+    window: where FA-3 or cuDNN take the window they still run it (on an H100, d 128, 64k: the
+    core with FA-3's window 38.00 / 111.3 ms, with the kernel forced 39.86 / 120.0;
+    bench/RESULTS.md, "The Pallas window kernel"). Where neither does (d_k 192 off sm90, where
+    cuDNN takes heads up to 128; inside a multi-device `shard_map`, where cuDNN's kernel is off),
+    the kernel is faster and holds O(T w) memory: on an H100 with `NSA_PROFILE=sm89`, d_k 192,
+    32k, the window took 6.45 / 50.1 ms against 19.6 / 56.7 on XLA's chunked path, and the core
+    35.2 / 224.4 against 48.2 / 253.5 (bench/RESULTS.md, "An RTX 4090's path").
     window_cudnn: with `window_kernel`, the same choice as `compressed_cudnn` for the window
     branch: FA-3 (`fa3`) or cuDNN's `local_window_size` (`cudnn_kernel`) where they take the
     shapes, else the Pallas window kernel; False runs the kernel (whose lse is available to
@@ -96,13 +98,15 @@ class PallasOptions:
     decode_blocks: Optional[kernels.DecodeBlockSizes] = None
     window_blocks: Optional[kernels.WindowAttentionBlockSizes] = None
     compressed_cudnn: bool = True
-    window_kernel: bool = False
+    window_kernel: Optional[bool] = None
     window_cudnn: bool = True
     fa3: bool = True
     cudnn_kernel: bool = True
     token_tile_overlap: Optional[float] = 0.5
 
     def __post_init__(self) -> None:
+        if self.window_kernel is not None and not isinstance(self.window_kernel, bool):
+            raise ValueError(f"window_kernel ({self.window_kernel!r}) must be None or a bool")
         t = self.token_tile_overlap
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not 0 <= t <= 1):
@@ -112,6 +116,12 @@ class PallasOptions:
         if self.interpret is not None:
             return self.interpret
         return jax.default_backend() != "gpu"
+
+    def resolve_window_kernel(self) -> bool:
+        """`window_kernel`, None resolved: on unless in interpret mode."""
+        if self.window_kernel is not None:
+            return self.window_kernel
+        return not self.resolve_interpret()
 
 
 DEFAULT_OPTIONS = PallasOptions()
@@ -161,9 +171,9 @@ def select_blocks(q, k_cmp, cfg: NSAConfig, *, scale, lse=None,
 def sliding_window_attention(q, k, v, *, window, scale,
                              options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
-    if not options.window_kernel:
-        raise NotImplementedError("the Pallas window kernel is opt-in "
-                                  "(PallasOptions.window_kernel=False): the window runs on "
+    if not options.resolve_window_kernel():
+        raise NotImplementedError("the Pallas window kernel is off (PallasOptions.window_kernel "
+                                  "False, or None in interpret mode): the window runs on "
                                   "backend 'xla'")
     if options.window_cudnn and _fused_takes(options, q, k, v):
         try:

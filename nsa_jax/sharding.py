@@ -215,7 +215,8 @@ def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[d
     cuDNN's own fused kernel is off (`cudnn_kernel` of both backends' options): the window and
     compressed branches run on FlashAttention-3 where it takes them, else the compressed branch
     on the Pallas kernel (backend "pallas") or XLA's chunked path ("xla"), and the window on
-    XLA's chunked path unless `PallasOptions.window_kernel` puts it on its Pallas kernel. With jax
+    the Pallas window kernel (backend "pallas" on a GPU, `PallasOptions.window_kernel`) or XLA's
+    chunked path. With jax
     0.11.2 on 2 H100s, XLA's compilation of the layer's *gradient* segfaults whenever cuDNN's
     kernel runs either branch inside a `shard_map` over several devices (data or model axis;
     bf16; the forward compiles, a one-device mesh works, and so does cuDNN's attention alone in

@@ -353,13 +353,37 @@ def test_fused_branches_choose_fa3_cudnn_or_the_kernel(monkeypatch, paths, profi
 
 
 @pytest.mark.parametrize(*ROUTES)
-def test_window_runs_on_xla_by_default(monkeypatch, paths, profile, d_k, d_v, options, path,
-                                       xla_window):
-    """`window_kernel` off (default): the adapter declines, naming the option, and backend
-    "xla" runs the window as it does alone (same path, same bits); the window kernel is never
-    called, and the compressed branch's path is unchanged."""
+def test_window_kernel_on_by_default_on_a_gpu(monkeypatch, paths, profile, d_k, d_v, options,
+                                              path, xla_window):
+    """`window_kernel` None (default), kernels compiled: the window takes the compressed
+    branch's path, as with `window_kernel=True`."""
+    del xla_window
     monkeypatch.setenv("NSA_PROFILE", profile)
     options = _compiled(options)
+    assert options["pallas"].window_kernel is None
+    q, k, v = _routing_inputs(d_k, d_v)
+    _window("pallas", q, k, v, window=8, scale=0.1, options=options)
+    _compressed(q, k, v, options)
+    assert paths == [path, path]
+
+
+def test_window_kernel_off_in_interpret_mode_by_default():
+    options = pallas_backend.PallasOptions(interpret=True)
+    assert not options.resolve_window_kernel()
+    assert pallas_backend.PallasOptions(interpret=False).resolve_window_kernel()
+    assert pallas_backend.PallasOptions(interpret=True, window_kernel=True).resolve_window_kernel()
+    with pytest.raises(ValueError, match="window_kernel"):
+        pallas_backend.PallasOptions(window_kernel=1)
+
+
+@pytest.mark.parametrize(*ROUTES)
+def test_window_runs_on_xla_with_the_kernel_off(monkeypatch, paths, profile, d_k, d_v, options,
+                                                path, xla_window):
+    """`window_kernel=False`: the adapter declines, naming the option, and backend "xla" runs
+    the window as it does alone (same path, same bits); the window kernel is never called, and
+    the compressed branch's path is unchanged."""
+    monkeypatch.setenv("NSA_PROFILE", profile)
+    options = _compiled(options, window_kernel=False)
     q, k, v = _routing_inputs(d_k, d_v)
     with pytest.raises(NotImplementedError, match="window_kernel"):
         pallas_backend.sliding_window_attention(q, k, v, window=8, scale=0.1,
