@@ -9,7 +9,7 @@ attention.
 
 Rows (`--rows`, default: every row that can run on the device):
   nsa_jax_pallas       nsa_jax kernel-level functions, backend="pallas", compress="mlp"
-  nsa_jax_pallas_window  the same with the opt-in Pallas window kernel for the window branch
+  nsa_jax_pallas_window  the same with the Pallas window kernel forced on the window branch
                        (`PallasOptions(window_kernel=True, window_cudnn=False)`; not a default row)
   nsa_jax_xla          the same with backend="xla" (OOM rows are written as "oom")
   nsa_jax_layer        the whole layer, `nsa_attention` with projections (d_model), Pallas
@@ -604,7 +604,7 @@ def run_fla(args, S: int, row: str):
 
 
 def _window_kernel_options():
-    """The opt-in Pallas window kernel, run even where FA-3 or cuDNN would take the window."""
+    """The Pallas window kernel, run even where FA-3 or cuDNN would take the window."""
     import nsa_jax
     return {"pallas": nsa_jax.PallasOptions(window_kernel=True, window_cudnn=False)}
 

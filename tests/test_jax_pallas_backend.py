@@ -49,9 +49,9 @@ def test_layer_gradients_match_xla(case):
 
 
 def test_pallas_alone_runs_compression_and_the_window_on_xla(case):
-    """`"pallas"` has no compression kernel and its window kernel is opt-in: both fall back to
-    XLA, bit for bit. With `window_kernel` the window runs on the Pallas window kernel
-    (interpret mode here) and agrees with XLA's banded path."""
+    """`"pallas"` has no compression kernel, and in interpret mode its window kernel is off by
+    default: both fall back to XLA, bit for bit. With `window_kernel` the window runs on the
+    Pallas window kernel (interpreted) and agrees with XLA's banded path."""
     cfg, params, x = case
     k = jax.random.normal(jax.random.PRNGKey(4), (1, 20, cfg.n_kv_heads, cfg.d_k))
     np.testing.assert_array_equal(nsa_jax.compress_kv(k, params["cmp_k"], cfg, backend="pallas"),
