@@ -15,7 +15,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from bench import bench_decode, bench_prefill, bench_train_step, common, summarize_decode_csv
+from bench import (bench_alignment, bench_decode, bench_prefill, bench_train_step, common,
+                   summarize_decode_csv)
 from nsa_common import NSAConfig, decode_read_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -280,7 +281,7 @@ def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
 
 NSA_SCRIPTS = ("bench_prefill", "bench_decode", "breakdown_prefill", "bench_selection",
                "bench_compressed", "bench_torch_paths", "bench_scaling", "memory_layer",
-               "profile_decode", "bench_train_step")
+               "profile_decode", "bench_train_step", "bench_alignment")
 
 
 def test_every_script_takes_the_nsa_settings_alike():
@@ -528,6 +529,21 @@ def test_failure_status_of_an_isolated_row():
     assert common.failure_status(common.TIMEOUT) == common.TIMEOUT
     assert common.failure_status("worker exit 1: Traceback") == common.ERROR
     assert common.failure_status(None) == common.ERROR
+
+
+def test_alignment_bench_cpu_sparse(tmp_path, cpu_env, capsys):
+    """The sparse loss and its three pieces timed on the CPU (XLA): a row each, the loss's
+    share 1, the summary printed."""
+    code = bench_alignment.main(["--device", "cpu", "--preset", "tiny", "--T_list", "96",
+                                 "--dtype", "float32", "--iters", "1", "--warmup", "0",
+                                 "--repeats", "1", "--no_progress", "--out", str(tmp_path)])
+    assert code == 0
+    columns, rows = _read(tmp_path / "alignment.csv")
+    assert columns == bench_alignment.COLUMNS
+    assert [r["piece"] for r in rows] == list(bench_alignment.PIECES)
+    assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in rows)
+    assert float(rows[0]["share_of_loss"]) == 1.0
+    assert "Selection-alignment loss, mode=sparse" in capsys.readouterr().out
 
 
 TINY_TRAIN = ["--device", "cpu", "--preset", "tiny", "--dv", "16", "--T_list", "64",
