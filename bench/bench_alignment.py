@@ -86,7 +86,8 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
         value = al.compressed_lse(q, k_cmp, cfg, segments=None, backend=backend)
         return jnp.sum(jnp.where(jnp.isfinite(value), value, 0.0))
 
-    log_target = jax.jit(target)(arrays["q"], arrays["k_sel"])
+    target = jax.jit(target)
+    log_target = target(arrays["q"], arrays["k_sel"])
 
     def kl(q, k_cmp):
         rows, counted = al.kl_rows(q, k_cmp, log_target, cfg, segments=None,
@@ -95,7 +96,7 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
 
     q, k_cmp = arrays["q"], arrays["k_cmp"]
     pieces = {"loss": (jax.jit(jax.value_and_grad(loss)), (arrays["params"], arrays["x"])),
-              "target": (jax.jit(target), (q, arrays["k_sel"])),
+              "target": (target, (q, arrays["k_sel"])),
               "kl": (jax.jit(jax.value_and_grad(kl, argnums=(0, 1))), (q, k_cmp))}
     if sparse:
         pieces["lse"] = (jax.jit(jax.value_and_grad(lse, argnums=(0, 1))), (q, k_cmp))

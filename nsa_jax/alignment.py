@@ -410,7 +410,7 @@ def log_importance_at(q: jax.Array, k_cmp: jax.Array, lse: jax.Array, blocks: ja
     # H100 3-7x faster than gathering the keys, whose backward scatters into k_cmp.
     every = einsum("bqghd,bcgd->bqghc", split_heads(q, G), k_cmp, dtype) * cfg.scale
     scores = jnp.take_along_axis(every, slot.reshape(B, Q, G, 1, -1), axis=-1)  # [B,Q,G,h,K*M]
-    lse = split_heads(lse[..., None], G)[..., 0].astype(dtype)                 # [B, Q, G, h]
+    lse = lse.reshape(B, Q, G, -1).astype(dtype)                               # [B, Q, G, h]
     finite = jnp.isfinite(lse)
     log_p = scores - jnp.where(finite, lse, 0.0)[..., None]
     log_p = log_p.reshape(*log_p.shape[:4], K, len(weights))                  # [B, Q, G, h, K, M]

@@ -204,7 +204,7 @@ def selection_overlap(block_idx: jax.Array) -> jax.Array:
     """The mean share of blocks consecutive queries share, `|S_t & S_t+1| / n_sel` over every
     (batch, query pair, KV head), a float32 scalar (0 for T < 2). block_idx int `[B, T, G,
     n_sel]`, -1 padded; the forced blocks count."""
-    B, T, G, n = block_idx.shape
+    T, n = block_idx.shape[1], block_idx.shape[3]
     if T < 2 or n == 0:
         return jnp.float32(0)
     a, b = block_idx[:, :-1], block_idx[:, 1:]
