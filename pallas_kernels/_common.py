@@ -18,6 +18,11 @@ from jax.experimental import pallas as pl
 
 # Triton's `tl.dot` needs every matrix dimension >= 16, and every tensor dimension a power of 2.
 MATMUL_MIN = 16
+# The narrowest column part of a product in the backward kernels over (query, head) rows. At 16
+# the compressed dK/dV kernel's bf16 products returned a wrong dK on an H200 (rel. error
+# 0.17-0.27 against the reference; dQ and dV right, float32 right, the interpreter right); from
+# 32 on they agree. Only tiny test configs have heads this narrow.
+MIN_PART = 2 * MATMUL_MIN
 
 # The exact text jax 0.11 warns with (a DeprecationWarning) when it lowers a Triton pallas_call.
 TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be removed in"
@@ -72,6 +77,16 @@ def column_parts(d: int, split: bool = True) -> tuple:
     if split and d - high == next_pow2(d - high) and d - high >= MATMUL_MIN:
         return ((0, high), (high, d - high))
     return ((0, matmul_dim(d)),)
+
+
+def key_parts(d: int, split: bool = True, narrowest: int = MIN_PART) -> tuple:
+    """`column_parts(d, split)` with no part narrower than `narrowest` (>= `MIN_PART`), else one
+    part, `d` padded to a power of two >= `MIN_PART`: 192 -> 128 + 64, 96 -> 64 + 32 (128 for
+    `narrowest` 64), 48 -> 64."""
+    parts = column_parts(max(d, MIN_PART), split)
+    if min(width for _, width in parts) < max(narrowest, MIN_PART):
+        parts = column_parts(max(d, MIN_PART), split=False)
+    return parts
 
 
 def parts_width(parts: tuple) -> int:

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible
-from pallas_kernels._common import MATMUL_MIN, pad_axis, softmax_scale
+from pallas_kernels._common import MATMUL_MIN, next_pow2, pad_axis, softmax_scale
 
 
 # 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
@@ -41,6 +41,13 @@ class Tiling:
     dk_pad: int
     dv_pad: int
     itemsize: int = 2  # bytes per element of q (float32 tiles take twice the shared memory)
+    # (offset, width) column parts of q and k in the products (`_common.key_parts`); empty: one
+    # part of `dk_pad` columns.
+    dk_parts: tuple = ()
+
+    @property
+    def k_parts(self) -> tuple:
+        return self.dk_parts or ((0, self.dk_pad),)
 
     def q_tile(self, block_rows: int) -> int:
         """Queries per tile for a tile of `block_rows` rows (at least one query). Wide heads get
@@ -48,7 +55,7 @@ class Tiling:
         the defaults were measured at, so that d_k = 192 (padded to 256) still fits shared
         memory; float32 tiles hold half as many (at d 128 the float32 backward asked for 257 KiB
         of the H200's 227 KiB with 16-bit-sized tiles)."""
-        widest = max(self.dk_pad, self.dv_pad) * max(1, self.itemsize // 2)
+        widest = max(next_pow2(self.dk_pad), next_pow2(self.dv_pad)) * max(1, self.itemsize // 2)
         block_rows = min(block_rows, max(MATMUL_MIN, MAX_TILE_ELEMENTS // widest))
         return max(1, block_rows // self.h_pad)
 
@@ -69,6 +76,33 @@ def load_rows(ref, first_query, tiling: Tiling, dim: int):
     else:
         tile = pltriton.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
     return tile.reshape(q_tile * h_pad, dim_pad)
+
+
+def load_row_parts(ref, first_query, tiling: Tiling, rows=None) -> list:
+    """q's rows as `load_rows` gives them, cut into the column parts of `tiling.k_parts`; `rows`
+    (a `pl.ds` of queries, or None: the whole ref) picks the queries of a longer ref. Split
+    parts read their columns of an array that `pad_rows` padded to `h_pad` heads, unmasked."""
+    parts = tiling.k_parts
+    if len(parts) == 1:
+        return [load_rows(ref if rows is None else ref.at[rows], first_query, tiling,
+                          tiling.d_k)]
+    rows = slice(None) if rows is None else rows
+    out = []
+    for offset, width in parts:
+        tile = ref[rows, :, pl.ds(offset, width)]
+        out.append(tile.reshape(tile.shape[0] * tile.shape[1], width))
+    return out
+
+
+def store_row_parts(ref, values: list, tiling: Tiling) -> None:
+    """Inverse of `load_row_parts` for a whole `[q_tile, h_pad, dk_pad]` block."""
+    parts = tiling.k_parts
+    if len(parts) == 1:
+        store_rows(ref, values[0], tiling, tiling.d_k)
+        return
+    q_tile, h_pad = ref.shape[:2]
+    for (offset, width), value in zip(parts, values):
+        ref[:, :, pl.ds(offset, width)] = value.reshape(q_tile, h_pad, width).astype(ref.dtype)
 
 
 def store_rows(ref, rows, tiling: Tiling, dim: Optional[int]):

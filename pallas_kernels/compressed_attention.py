@@ -28,13 +28,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (LN_2, LOG2_E, MATMUL_MIN, check_implementation,
-                                    check_kernel_dtype, check_tile_sizes, dot, matmul_dim,
-                                    next_pow2, pad_axis, pallas_call)
+from pallas_kernels._common import (LN_2, LOG2_E, MIN_PART, check_implementation,
+                                    check_kernel_dtype, check_tile_sizes, dot, dot_parts,
+                                    key_parts, load_cols, matmul_dim, next_pow2, pad_axis,
+                                    pallas_call, parts_width, store_cols)
 from pallas_kernels._compressed_tiles import (Tiling, admissible, blocks_visible_to, check_inputs,
-                                              group_view, kv_spec, load_row_stats, load_rows,
-                                              pad_rows, reference_mask, row_positions, row_spec,
-                                              store_rows)
+                                              group_view, kv_spec, load_row_parts,
+                                              load_row_stats, load_rows, pad_rows,
+                                              reference_mask, row_positions, row_spec,
+                                              store_row_parts, store_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +69,10 @@ class BlockSizes:
     # before head dims were padded to >= 32; with the padding it passes the GPU tests, and the
     # transposed form cost 36.6 ms more of the 64k forward+backward on an H100 (bench/RESULTS.md).
     dkv_transposed: bool = False
+    # A d_k that is the sum of two powers of two >= 64 (192 = 128 + 64) enters the products as
+    # two column parts, so q, its gradient and the keys are neither copied into arrays padded
+    # to the next power of two nor read at that width (`_common.key_parts`); False pads them.
+    split_dk: bool = True
 
     def __post_init__(self):
         check_tile_sizes(self)
@@ -98,17 +104,17 @@ def _fwd_kernel(q_ref, k_ref, *refs, tiling: Tiling, cmp_block: int, cmp_stride:
         v_ref, o_ref, lse_ref = refs
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
-    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    q = load_row_parts(q_ref, first_query, tiling)
     position, real = row_positions(first_query, q_tile, tiling)
-    n_rows = q.shape[0]
+    n_rows = q[0].shape[0]
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
     def body(tile, carry, masked: bool):
         acc, row_max, row_sum = carry
         first_block = tile * block_kv
-        k = k_ref[pl.ds(first_block, block_kv), :]
+        k = load_cols(k_ref, (pl.ds(first_block, block_kv),), tiling.k_parts)
         # Scores in base 2 (exp2 is the cheap exponential on the GPU).
-        s = dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s = dot_parts(q, k) * (scale * LOG2_E)
         if masked:
             s = jnp.where(admissible(position, real, first_block, block_kv, **geometry), s,
                           -jnp.inf)
@@ -155,7 +161,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
                cmp_block: int, cmp_stride: int, scale: float, block_kv: int):
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
-    q = load_rows(q_ref, first_query, tiling, tiling.d_k)
+    q = load_row_parts(q_ref, first_query, tiling)
     do = load_rows(do_ref, first_query, tiling, tiling.d_v)
     lse2 = load_row_stats(lse_ref, tiling) * LOG2_E
     delta = load_row_stats(delta_ref, tiling)
@@ -164,23 +170,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, tilin
 
     def body(tile, dq, masked: bool):
         first_block = tile * block_kv
-        k = k_ref[pl.ds(first_block, block_kv), :]
+        k = load_cols(k_ref, (pl.ds(first_block, block_kv),), tiling.k_parts)
         v = v_ref[pl.ds(first_block, block_kv), :]
-        s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
+        s2 = dot_parts(q, k) * (scale * LOG2_E)
         # Padded rows carry lse = +inf, so p = 0 there without a mask.
         p = jnp.exp2(s2 - lse2[:, None])
         if masked:
             # Masked entries (all of them in a row with lse = -inf) are 0, never exp2(+inf).
             p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p, 0.0)
-        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
-        return dq + dot(ds.astype(k.dtype), k)
+        ds = (p * (dot(do, v, trans_b=True) - delta[:, None])).astype(v.dtype)
+        return [acc + dot(ds, k_part) for acc, k_part in zip(dq, k)]
 
     n_bulk = lax.div(blocks_visible_to(first_query, **geometry), jnp.int32(block_kv))
     n_tiles = n_tiles_of(blocks_visible_to(first_query + q_tile - 1, **geometry), block_kv)
     dq = lax.fori_loop(0, n_bulk, functools.partial(body, masked=False),
-                       jnp.zeros((q.shape[0], k_ref.shape[1]), jnp.float32))
+                       [jnp.zeros((do.shape[0], w), jnp.float32) for _, w in tiling.k_parts])
     dq = lax.fori_loop(n_bulk, n_tiles, functools.partial(body, masked=True), dq)
-    store_rows(dq_ref, dq * scale, tiling, tiling.d_k)
+    store_row_parts(dq_ref, [x * scale for x in dq], tiling)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
@@ -191,7 +197,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     block_kv = k_ref.shape[0]
     part = lax.rem(pl.program_id(0), jnp.int32(n_parts))
     first_block = pl.program_id(1) * block_kv
-    k = k_ref[...]
+    parts = tiling.k_parts
+    k = load_cols(k_ref, (), parts)
     v = v_ref[...]
     geometry = dict(tiling=tiling, cmp_block=cmp_block, cmp_stride=cmp_stride)
 
@@ -199,7 +206,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         dk, dv = carry
         first_query = q_index * q_tile
         rows = pl.ds(first_query, q_tile)
-        q = load_rows(q_ref.at[rows], first_query, tiling, tiling.d_k)
+        q = load_row_parts(q_ref, first_query, tiling, rows=rows)
         do = load_rows(do_ref.at[rows], first_query, tiling, tiling.d_v)
         # Padded rows carry lse = +inf, so p = 0 there without a mask.
         lse2 = load_row_stats(lse_ref.at[rows], tiling) * LOG2_E
@@ -207,23 +214,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         position, real = row_positions(first_query, q_tile, tiling)
         if transposed:
             # Transposed scores [block_kv, rows], so that both products below are plain `a @ b`.
-            s2_t = dot(k, q, trans_b=True) * (scale * LOG2_E)
+            s2_t = dot_parts(k, q) * (scale * LOG2_E)
             p_t = jnp.exp2(s2_t - lse2[None, :])
             if masked:
                 p_t = jnp.where(admissible(position, real, first_block, block_kv, **geometry,
                                            transposed=True), p_t, 0.0)
             dv = dv + dot(p_t.astype(do.dtype), do)
-            ds_t = p_t * (dot(v, do, trans_b=True) - delta[None, :])
-            dk = dk + dot(ds_t.astype(q.dtype), q)
+            ds_t = (p_t * (dot(v, do, trans_b=True) - delta[None, :])).astype(do.dtype)
+            dk = [acc + dot(ds_t, q_part) for acc, q_part in zip(dk, q)]
         else:
-            s2 = dot(q, k, trans_b=True) * (scale * LOG2_E)
+            s2 = dot_parts(q, k) * (scale * LOG2_E)
             p = jnp.exp2(s2 - lse2[:, None])
             if masked:
                 p = jnp.where(admissible(position, real, first_block, block_kv, **geometry), p,
                               0.0)
             dv = dv + dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (dot(do, v, trans_b=True) - delta[:, None])
-            dk = dk + dot(ds.astype(q.dtype), q, trans_a=True)
+            ds = (p * (dot(do, v, trans_b=True) - delta[:, None])).astype(do.dtype)
+            dk = [acc + dot(ds, q_part, trans_a=True) for acc, q_part in zip(dk, q)]
         return dk, dv
 
     # The first query that sees block `first_block` is t = first_block*d + l - 1; from the query
@@ -235,10 +242,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     stop = jnp.minimum(n_q_tiles, (part + 1) * q_tiles_per_part)
     start = jnp.minimum(start, stop)
     split = jnp.clip(first_full_q_tile, start, stop)
-    init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    init = ([jnp.zeros((block_kv, w), jnp.float32) for _, w in parts],
+            jnp.zeros(v.shape, jnp.float32))
     carry = lax.fori_loop(start, split, functools.partial(body, masked=True), init)
     dk, dv = lax.fori_loop(split, stop, functools.partial(body, masked=False), carry)
-    dk_ref[...] = dk * scale
+    store_cols(dk_ref, [x * scale for x in dk], parts)
     dv_ref[...] = dv
 
 
@@ -246,19 +254,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 # Wrappers
 
 
-def _tiling(q, k_cmp, v_cmp) -> Tiling:
+# Split d_k only where its narrow part has 64 columns or more: 192 = 128 + 64 takes less shared
+# memory and spills less than 256 on sm80 to sm90, while 96 = 64 + 32 spilled 1.7 KB (sm89) to
+# 8.6 KB (sm80) in the dK/dV kernel (scripts/pallas_ptxas.py), so 96 stays padded to 128.
+_NARROWEST_PART = 64
+
+
+def _tiling(q, k_cmp, v_cmp, split_dk: bool = True) -> Tiling:
     heads = q.shape[2] // k_cmp.shape[2]
+    parts = key_parts(q.shape[3], split_dk, narrowest=_NARROWEST_PART)
     return Tiling(seq_len=q.shape[1], n_cmp=k_cmp.shape[1], heads=heads, h_pad=next_pow2(heads),
-                   d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=_head_pad(q.shape[3]),
-                   dv_pad=_head_pad(v_cmp.shape[3]), itemsize=jnp.dtype(q.dtype).itemsize)
-
-
-def _head_pad(dim: int) -> int:
-    """Head dims enter the kernels padded to a power of two >= 32. At 16 the dK/dV kernel's bf16
-    products returned a wrong dK on an H200 (rel. error 0.17-0.27 against the reference, dQ and dV
-    right, float32 right, the interpreter right); from 32 on they agree. Only tiny test configs
-    have heads this narrow."""
-    return max(2 * MATMUL_MIN, matmul_dim(dim))
+                  d_k=q.shape[3], d_v=v_cmp.shape[3], dk_pad=parts_width(parts),
+                  dv_pad=max(MIN_PART, matmul_dim(v_cmp.shape[3])),
+                  itemsize=jnp.dtype(q.dtype).itemsize, dk_parts=parts)
 
 
 def _pad_kv(x, n_blocks: int, dim_pad: int):
@@ -271,7 +279,7 @@ def _forward(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, block_sizes, interpr
     """(o, lse); with `lse_only` (v_cmp may be None) just lse."""
     B, T, H, _ = q.shape
     G = k_cmp.shape[2]
-    tiling = _tiling(q, k_cmp, k_cmp if v_cmp is None else v_cmp)
+    tiling = _tiling(q, k_cmp, k_cmp if v_cmp is None else v_cmp, block_sizes.split_dk)
     q_tile = tiling.q_tile(block_sizes.block_q)
     block_kv = block_sizes.block_kv
     n_q_tiles = pl.cdiv(T, q_tile)
@@ -315,7 +323,7 @@ def _backward(q, k_cmp, v_cmp, o, lse, do, dlse, cmp_block, cmp_stride, scale, b
               interpret):
     B, T, H, _ = q.shape
     G = k_cmp.shape[2]
-    tiling = _tiling(q, k_cmp, v_cmp)
+    tiling = _tiling(q, k_cmp, v_cmp, block_sizes.split_dk)
     # d lse / d s = p, so an lse cotangent enters exactly like -delta.
     delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
     delta = delta - dlse.astype(jnp.float32)

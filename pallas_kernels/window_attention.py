@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (LN_2, LOG2_E, MASK, MATMUL_MIN, check_implementation,
-                                    check_kernel_dtype, check_tile_sizes, column_parts, dot,
+from pallas_kernels._common import (LN_2, LOG2_E, MASK, MIN_PART, check_implementation,
+                                    check_kernel_dtype, check_tile_sizes, dot, key_parts,
                                     dot_parts, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
                                     pallas_call, parts_width, softmax_scale, store_cols)
@@ -70,9 +70,6 @@ class BlockSizes:
 FLOAT32_BLOCK_SIZES = BlockSizes(block_q=64, block_kv=32, block_q_dq=64, block_kv_dq=32,
                                  block_q_dkv=32, block_kv_dkv=32, num_stages=1)
 
-# The narrowest column part of a product. At 16 the compressed dK/dV kernel's bf16 products
-# returned a wrong dK on an H200 (`compressed_attention._head_pad`); from 32 on they agree.
-_MIN_PART = 2 * MATMUL_MIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +89,7 @@ class _Geometry:
     @property
     def dk_parts(self) -> tuple:
         """(offset, width) column parts of q and k in the products, none narrower than 32."""
-        parts = column_parts(max(self.d_k, _MIN_PART))
-        if min(width for _, width in parts) < _MIN_PART:
-            parts = column_parts(max(self.d_k, _MIN_PART), split=False)
-        return parts
+        return key_parts(self.d_k)
 
     @property
     def dk_width(self) -> int:
@@ -104,7 +98,7 @@ class _Geometry:
 
     @property
     def dv_pad(self) -> int:
-        return max(_MIN_PART, matmul_dim(self.d_v))
+        return max(MIN_PART, matmul_dim(self.d_v))
 
     def q_tile(self, block_rows: int) -> int:
         """Queries of a tile of `block_rows` rows (at least one)."""

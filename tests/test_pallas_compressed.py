@@ -100,6 +100,30 @@ def test_forward_and_gradients_float32(case, dkv_transposed):
     assert np.all(np.asarray(grad[0])[:, empty] == 0.0)
 
 
+@pytest.mark.parametrize("dkv_transposed", [True, False])
+def test_split_head_dim_matches_reference_and_padded(dkv_transposed):
+    """d_k 192 = 128 + 64 enters the products as two column parts (q read at 192 columns, not
+    padded to 256): same outputs and gradients as the reference, and as the padded tiles."""
+    case = (1, 37, 4, 2, 192, 40, 8, 4)
+    q, k, v, do, dlse = make_inputs(5, *case)
+    kw = dict(cmp_block=8, cmp_stride=4, interpret=True)
+    split = dataclasses.replace(SMALL, dkv_transposed=dkv_transposed)
+    padded = dataclasses.replace(split, split_dk=False)
+    o, lse, grad = outputs_and_grads(compressed_attention, q, k, v, do, dlse, block_sizes=split,
+                                     **kw)
+    o_pad, lse_pad, grad_pad = outputs_and_grads(compressed_attention, q, k, v, do, dlse,
+                                                 block_sizes=padded, **kw)
+    o_ref, _, grad_ref = outputs_and_grads(compressed_attention_reference, q, k, v, do, dlse,
+                                           cmp_block=8, cmp_stride=4)
+    assert rel_err(o, o_ref) <= TOL[jnp.float32]["out"]
+    assert rel_err(o, o_pad) <= 1e-6
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_pad), rtol=1e-5, atol=1e-6)
+    for name, g, g_pad, g_ref in zip(("dq", "dk", "dv"), grad, grad_pad, grad_ref):
+        assert g.shape == g_ref.shape, name
+        assert rel_err(g, g_ref) <= TOL[jnp.float32]["grad"], name
+        assert rel_err(g, g_pad) <= 1e-5, name
+
+
 def test_bfloat16_default_tiles_and_custom_scale():
     case = (1, 40, 8, 2, 32, 16, 8, 4)
     B, T, H, G, d_k, d_v, l, d = case
@@ -153,6 +177,7 @@ def test_bad_inputs_raise_value_error():
     (1, 1000, 16, 4, 64, 32, 32, 16),
     (1, 2048, 64, 4, 128, 128, 32, 16),   # paper sizes: float32 tiles must fit shared memory
     (2, 80, 4, 2, 16, 8, 8, 4),           # the parity report's tiny preset
+    (1, 1000, 16, 4, 192, 128, 32, 16),   # the paper's d_k: two column parts (128 + 64)
 ])
 @pytest.mark.parametrize("dkv_transposed", [True, False])
 def test_gpu_matches_reference(dtype, case, dkv_transposed):
