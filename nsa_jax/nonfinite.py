@@ -28,10 +28,29 @@ from nsa_common import NSAConfig, num_admissible_cmp_blocks
 from nsa_jax.segments import Segments, single_sequence
 
 
+@jax.custom_vjp
 def sanitize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x `[..., D]` -> (x with non-finite elements set to 0, bad `[...]`: row has one)."""
+    """x `[..., D]` -> (x with non-finite elements set to 0, bad `[...]`: row has one).
+
+    The gradient passes to the rows without a non-finite element and is 0 on the others. Every
+    output that reads a bad row is poisoned, so no loss over finite outputs sends such a row a
+    cotangent; keeping only the row mask (not an elementwise one as `where`'s own gradient
+    would) saves a `[..., D]` boolean: 0.75 GiB for q at 64k tokens x 64 heads x 192."""
     finite = jnp.isfinite(x)
     return jnp.where(finite, x, jnp.zeros((), x.dtype)), ~jnp.all(finite, axis=-1)
+
+
+def _sanitize_fwd(x):
+    out = sanitize(x)
+    return out, out[1]
+
+
+def _sanitize_bwd(bad, cotangents):
+    dx, _ = cotangents
+    return (jnp.where(bad[..., None], jnp.zeros((), dx.dtype), dx),)
+
+
+sanitize.defvjp(_sanitize_fwd, _sanitize_bwd)
 
 
 def poison(out: jax.Array, bad: jax.Array) -> jax.Array:

@@ -260,6 +260,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 _NARROWEST_PART = 64
 
 
+def key_width(d_k: int, split_dk: bool = True) -> int:
+    """The columns of q and k the kernels read: d_k where it splits into parts (192), else d_k
+    padded to a power of two >= 32. The architecture profiles pick tiles by it."""
+    return parts_width(key_parts(d_k, split_dk, narrowest=_NARROWEST_PART))
+
+
 def _tiling(q, k_cmp, v_cmp, split_dk: bool = True) -> Tiling:
     heads = q.shape[2] // k_cmp.shape[2]
     parts = key_parts(q.shape[3], split_dk, narrowest=_NARROWEST_PART)

@@ -12,8 +12,9 @@ the tiles an H100 runs. Forcing a profile makes every choice of that architectur
 
 Each architecture's entry lists, per kernel, tiers `(head width, block sizes)`: the first tier
 whose width holds the call's head width, `d_k + d_v` with each padded to a power of two (the
-selection has no values: `2 * d_k`), serves it; 512 holds every head up to d_k = d_v = 256. A call wider than every tier of its
-architecture raises `NotImplementedError`, which
+selection has no values: `2 * d_k`; the compressed kernels count d_k 192 as 192, the width they
+read it at), serves it; 512 holds every head up to d_k = d_v = 256. A call wider than every
+tier of its architecture raises `NotImplementedError`, which
 `nsa_jax.dispatch` reads as "this backend declines" and falls through to the next backend (XLA):
 no kernel is ever launched with tiles over the device's shared memory.
 
@@ -33,6 +34,7 @@ from pallas_kernels._common import matmul_dim
 from pallas_kernels.compressed_attention import BlockSizes as CompressedBlockSizes
 from pallas_kernels.compressed_attention import (
     FLOAT32_BLOCK_SIZES as FLOAT32_COMPRESSED_BLOCK_SIZES)
+from pallas_kernels.compressed_attention import key_width as compressed_key_width
 from pallas_kernels.decode import DecodeBlockSizes
 from pallas_kernels.select_blocks import BlockSizes as SelectBlockSizes
 from pallas_kernels.selected_attention import BlockSizes as SelectedBlockSizes
@@ -69,7 +71,12 @@ class ArchProfile:
         if kernel not in KERNELS:
             raise ValueError(f"kernel ({kernel!r}) must be one of {KERNELS}")
         head_dims = (d_k,) if d_v is None else (d_k, d_v)
-        width = matmul_dim(d_k) + matmul_dim(d_k if d_v is None else d_v)
+        # The compressed kernels read a d_k of two column parts (192) at its own width; the
+        # tiers hold heads up to 256 (320 = 256 + 64 counts as 512 and declines).
+        dk_width = matmul_dim(d_k)
+        if kernel == "compressed" and d_k <= 256:
+            dk_width = compressed_key_width(d_k)
+        width = dk_width + matmul_dim(d_k if d_v is None else d_v)
         by_dtype = self.tiers[kernel]
         tiers = by_dtype.get(_dtype_class(dtype)) or by_dtype["16bit"]
         for widest, sizes in tiers:
@@ -126,6 +133,12 @@ _SM90 = {
 _COMPRESSED_AMPERE_128 = CompressedBlockSizes(
     block_q=128, block_kv=32, block_q_dq=64, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
     num_warps=8, num_warps_bwd=8, num_stages=2, dkv_transposed=True)
+# d_k 192 (two column parts, 128 + 64) with d_v <= 128: the fastest of five tilings that fit
+# sm89 under the sm89 profile on an H100 at 32k, paper heads (bench/RESULTS.md): 128-row query
+# and 64-key tiles forward, 128-row query tiles for dK/dV; 62.3 against 98.4 ms forward+backward
+# for the wide-head tiles below. At most 64 B of spill stores (forward).
+_COMPRESSED_AMPERE_192 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_kv=64,
+                                             block_q_dkv=128)
 # Wide heads: a quarter of the query rows (a [64, 256] q tile is 32 KiB of shared memory).
 _COMPRESSED_AMPERE_256 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_q=64, block_kv_dq=16)
 # Sliding window: 4 warps and 64-row query tiles; wide heads take half the rows and 8 warps in
@@ -138,7 +151,8 @@ _WINDOW_AMPERE_256 = dataclasses.replace(_WINDOW_AMPERE_128, block_q=32, block_q
 _AMPERE = {
     # dkv_transposed: the plain `a @ b` products spill nothing where the transposed-operand
     # ones spilled 944-4,892 B (8 warps, d 128-256).
-    "compressed": {"16bit": ((256, _COMPRESSED_AMPERE_128), (512, _COMPRESSED_AMPERE_256)),
+    "compressed": {"16bit": ((256, _COMPRESSED_AMPERE_128), (320, _COMPRESSED_AMPERE_192),
+                             (512, _COMPRESSED_AMPERE_256)),
                    "float32": ((256, dataclasses.replace(_COMPRESSED_AMPERE_128, num_stages=1)),
                                (512, dataclasses.replace(_COMPRESSED_AMPERE_256, num_stages=1,
                                                          block_kv=16)))},
