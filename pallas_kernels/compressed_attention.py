@@ -15,6 +15,10 @@ a power of two in registers only (masked loads), never in HBM. This layout's hel
 
 Rows with no admissible block (`t < l - 1`) give `o = 0`, `lse = -inf` and zero gradients.
 
+Head dims: a d_k that is the sum of two powers of two >= 64 (the paper's 192 = 128 + 64) enters
+the products as two column parts, read from q and written to dq at its own width; other head
+dims are padded to a power of two >= 32 (`BlockSizes.split_dk`, `_common.key_parts`).
+
 Layout: BTHD. `q [B, T, H, d_k]`, `k_cmp [B, C, G, d_k]`, `v_cmp [B, C, G, d_v]`.
 """
 from __future__ import annotations
