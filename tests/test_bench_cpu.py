@@ -46,6 +46,41 @@ def cpu_env(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_prefill_pads_values_for_one_head_size_baselines(framework):
+    """The full-attention baselines that take one head size (cuDNN, FA-3, torch's SDPA flash)
+    run d_v < d_k with v zero-padded and the output cut back: exactly the unpadded attention."""
+    args = bench_prefill.parse_args(TINY_NSA + ["--S_list", "32", "--dk", "24", "--dv", "16"])
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((1, 8, 2, 24), (1, 8, 2, 24), (1, 8, 2, 16)))
+
+    def reference(q, k, v):  # any head sizes, BTHD, causal
+        s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+        s = np.where(np.tril(np.ones((8, 8), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), v)
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+
+        def one_size(q, k, v):
+            assert v.shape[-1] == q.shape[-1]
+            return torch.from_numpy(reference(q.numpy(), k.numpy(), v.numpy()))
+        arrays = [torch.from_numpy(x) for x in (q, k, v)]
+    else:
+        import jax.numpy as jnp
+
+        def one_size(q, k, v):
+            assert v.shape[-1] == q.shape[-1]
+            return jnp.asarray(reference(*(np.asarray(x) for x in (q, k, v))))
+        arrays = [jnp.asarray(x) for x in (q, k, v)]
+    padded, note = bench_prefill._pad_values(one_size, args, framework)
+    assert note == "v zero-padded from d_v 16 to d_k 24"
+    np.testing.assert_allclose(np.asarray(padded(*arrays)), reference(q, k, v), rtol=1e-5,
+                               atol=1e-6)
+
+
 def test_prefill_cpu_smoke(tmp_path, cpu_env, capsys):
     out = tmp_path / "prefill"
     rows = "nsa_jax_xla,nsa_jax_pallas,xla_full,projections"
