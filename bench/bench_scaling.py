@@ -86,14 +86,18 @@ def points(args) -> list[dict[str, Any]]:
     return out
 
 
-def _layer_step(cfg, mesh, axes, backend: str, pass_name: str):
+def _layer_step(cfg, mesh, axes, backend: str, pass_name: str, fa3: bool = True):
     import jax
     import jax.numpy as jnp
 
-    from nsa_jax import sharding
+    from nsa_jax import PallasOptions, sharding
+
+    # FA-3 off: the fused branches run where a GPU without it runs them (the Pallas kernels).
+    options = None if fa3 else {"pallas": PallasOptions(fa3=False)}
 
     def forward(params, x):
-        return sharding.sharded_nsa_attention(params, x, cfg, mesh, axes=axes, backend=backend)
+        return sharding.sharded_nsa_attention(params, x, cfg, mesh, axes=axes, backend=backend,
+                                              options=options)
 
     if pass_name == "fwd":
         return jax.jit(forward)
@@ -138,7 +142,7 @@ def run_point(args, cfg, point: dict) -> list[dict[str, Any]]:
                                              itemsize=dtype.itemsize)["total"] / 2**20
     for pass_name in args.passes:
         try:
-            compiled = _layer_step(cfg, mesh, axes, args.backend, pass_name).lower(
+            compiled = _layer_step(cfg, mesh, axes, args.backend, pass_name, args.fa3).lower(
                 params, xs[0]).compile()
             timing = common.time_jax(lambda i: compiled(params, xs[i % len(xs)]),
                                      iters=args.iters, warmup=args.warmup, repeats=args.repeats)
@@ -186,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", default="fwd,fwd_bwd", help=f"comma list of {PASSES}")
     p.add_argument("--backend", default="xla", choices=("xla", "pallas"),
                    help="pallas: Pallas kernels with XLA fallback (meshes without context)")
+    p.add_argument("--no_fa3", dest="fa3", action="store_false",
+                   help="with --backend pallas: FlashAttention-3 off (PallasOptions.fa3), so the "
+                        "fused branches run as on a GPU without it")
     p.add_argument("--csv", default=os.path.join(common.REPO_ROOT, "bench", "results",
                                                  "scaling_latest.csv"))
     p.add_argument("--isolate", action="store_true",
@@ -275,7 +282,8 @@ def main(argv=None) -> int:
                 bench="scaling", scaling=point["scaling"],
                 mesh=f"{point['data']}x{point['model']}x{point['context']}", data=point["data"],
                 model=point["model"], context=point["context"], devices=devices,
-                **{"pass": pass_name}, backend=args.backend, preset=args.preset,
+                **{"pass": pass_name}, preset=args.preset,
+                backend=args.backend + ("" if args.fa3 else " (fa3 off)"),
                 dtype=args.dtype, B=point["B"], T=point["T"],
                 tokens_per_device=point["B"] * point["T"] // devices, device=device,
                 commit=commit, **record))

@@ -138,10 +138,10 @@ def test_bench_scaling_keeps_the_forward_when_the_backward_runs_out_of_memory(tm
 
     real = bench_scaling._layer_step
 
-    def layer_step(cfg, mesh, axes, backend, pass_name):
+    def layer_step(cfg, mesh, axes, backend, pass_name, fa3=True):
         if pass_name == "fwd_bwd":
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
-        return real(cfg, mesh, axes, backend, pass_name)
+        return real(cfg, mesh, axes, backend, pass_name, fa3)
 
     monkeypatch.setattr(bench_scaling, "_layer_step", layer_step)
     path = tmp_path / "scaling.csv"
@@ -154,6 +154,31 @@ def test_bench_scaling_keeps_the_forward_when_the_backward_runs_out_of_memory(tm
     assert float(rows["fwd"]["efficiency"]) == 1
     assert rows["fwd_bwd"]["status"] == "oom" and rows["fwd_bwd"]["ms"] == ""
     assert "RESOURCE_EXHAUSTED" in rows["fwd_bwd"]["note"]
+
+
+def test_bench_scaling_without_fa3(tmp_path, monkeypatch):
+    """--no_fa3 hands the layer PallasOptions(fa3=False) and labels the rows' backend."""
+    import nsa_jax
+    from bench import bench_scaling, common
+    from nsa_jax import sharding
+
+    seen = []
+    real = sharding.sharded_nsa_attention
+
+    def sharded(*args, options=None, **kwargs):
+        seen.append(options)
+        return real(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(sharding, "sharded_nsa_attention", sharded)
+    path = tmp_path / "scaling.csv"
+    assert bench_scaling.main(["--device", "cpu", "--preset", "tiny", "--tokens", "32",
+                               "--meshes", "1x1x1", "--scaling", "strong", "--dtype", "float32",
+                               "--backend", "pallas", "--no_fa3", "--passes", "fwd",
+                               "--iters", "1", "--warmup", "0", "--repeats", "1",
+                               "--csv", str(path)]) == 0
+    rows = common.read_csv(str(path))
+    assert [(r["backend"], r["status"]) for r in rows] == [("pallas (fa3 off)", "ok")]
+    assert seen and all(o == {"pallas": nsa_jax.PallasOptions(fa3=False)} for o in seen)
 
 
 def test_bench_scaling_isolated_points(tmp_path):
