@@ -131,7 +131,7 @@ _SM90 = {
 # most 68 B of spill stores, except the selection's 604-864 B, whose spill-free tilings were
 # slower under the sm89 profile on an H100 (`scripts/pallas_ptxas.py all --arch sm89`,
 # bench/RESULTS.md); sm80 takes the same tiles (its larger shared memory is not needed for the
-# fit). Timed only on an H100 under the sm89 profile, never on these GPUs.
+# fit). Some were timed on an H100 under the sm89 profile (bench/RESULTS.md), none on these GPUs.
 _COMPRESSED_AMPERE_128 = CompressedBlockSizes(
     block_q=128, block_kv=32, block_q_dq=64, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
     num_warps=8, num_warps_bwd=8, num_stages=2, dkv_transposed=True)
