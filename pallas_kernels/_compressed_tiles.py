@@ -52,9 +52,10 @@ class Tiling:
     def q_tile(self, block_rows: int) -> int:
         """Queries per tile for a tile of `block_rows` rows (at least one query). Wide heads get
         fewer rows: a tile holds at most `MAX_TILE_ELEMENTS` 16-bit query elements, the size
-        the defaults were measured at, so that d_k = 192 (sized as 256, whether read in
-        column parts or padded) still fits shared memory; float32 tiles hold half as many (at d 128 the float32 backward asked for 257 KiB
-        of the H200's 227 KiB with 16-bit-sized tiles)."""
+        the defaults were measured at, so that d_k = 192 (sized as 256, whether read in column
+        parts or padded) still fits shared memory; float32 tiles hold half as many (at d 128
+        the float32 backward asked for 257 KiB of the H200's 227 KiB with 16-bit-sized
+        tiles)."""
         widest = max(next_pow2(self.dk_pad), next_pow2(self.dv_pad)) * max(1, self.itemsize // 2)
         block_rows = min(block_rows, max(MATMUL_MIN, MAX_TILE_ELEMENTS // widest))
         return max(1, block_rows // self.h_pad)
