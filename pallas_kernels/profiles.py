@@ -135,10 +135,11 @@ _SM90 = {
 _COMPRESSED_AMPERE_128 = CompressedBlockSizes(
     block_q=128, block_kv=32, block_q_dq=64, block_kv_dq=32, block_q_dkv=32, block_kv_dkv=32,
     num_warps=8, num_warps_bwd=8, num_stages=2, dkv_transposed=True)
-# d_k 192 (two column parts, 128 + 64) with d_v <= 128: the fastest of five tilings that fit
-# sm89 under the sm89 profile on an H100 at 32k, paper heads (bench/RESULTS.md): 128-row query
-# and 64-key tiles forward, 128-row query tiles for dK/dV; 62.3 against 98.4 ms forward+backward
-# for the wide-head tiles below. At most 64 B of spill stores (forward).
+# d_k 192 (two column parts, 128 + 64) with d_v <= 128: from five tilings that fit sm89, timed
+# under the sm89 profile on an H100 at 32k, paper heads (bench/RESULTS.md), the fastest
+# forward's (128-row query and 64-key tiles) and the fastest backward's (128-row query tiles for
+# dK/dV): 60.4 against 98.4 ms forward+backward for the wide-head tiles below. At most 68 B of
+# spill stores (forward, sm80).
 _COMPRESSED_AMPERE_192 = dataclasses.replace(_COMPRESSED_AMPERE_128, block_kv=64,
                                              block_q_dkv=128)
 # Wide heads: a quarter of the query rows (a [64, 256] q tile is 32 KiB of shared memory).
