@@ -104,6 +104,30 @@ def load_cols(ref, index: tuple, parts: tuple) -> list:
     return [ref[index + (pl.ds(o, w),)] for o, w in parts]
 
 
+def load_head_rows(ref, rows, parts: tuple) -> list:
+    """Rows `[queries * h_pad, width]` of the queries `rows` (a `pl.ds`, or `slice(None)`: all)
+    of a `[.., h_pad, d]` ref (row r: query r // h_pad, head r % h_pad), one array a column
+    part; one load when one part spans the ref."""
+    if len(parts) == 1 and parts[0][1] == ref.shape[2]:
+        tile = ref[rows, :, :]
+        return [tile.reshape(tile.shape[0] * tile.shape[1], ref.shape[2])]
+    out = []
+    for offset, width in parts:
+        tile = ref[rows, :, pl.ds(offset, width)]
+        out.append(tile.reshape(tile.shape[0] * tile.shape[1], width))
+    return out
+
+
+def store_head_rows(ref, values: list, parts: tuple) -> None:
+    """Inverse of `load_head_rows` for a whole `[q_tile, h_pad, d]` block."""
+    q_tile, h_pad = ref.shape[:2]
+    if len(parts) == 1 and parts[0][1] == ref.shape[2]:
+        ref[...] = values[0].reshape(ref.shape).astype(ref.dtype)
+        return
+    for (offset, width), value in zip(parts, values):
+        ref[:, :, pl.ds(offset, width)] = value.reshape(q_tile, h_pad, width).astype(ref.dtype)
+
+
 def store_cols(ref, values: list, parts: tuple) -> None:
     """ref[:, part] = value for each column part of a 2-D ref (`values` as `load_cols` gives)."""
     if len(parts) == 1:

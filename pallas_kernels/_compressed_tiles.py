@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible
-from pallas_kernels._common import MATMUL_MIN, next_pow2, pad_axis, softmax_scale
+from pallas_kernels._common import (MATMUL_MIN, load_head_rows, next_pow2, pad_axis,
+                                    softmax_scale, store_head_rows)
 
 
 # 256 rows x 128 features: the largest query tile measured (H200, bench_compressed --sweep).
@@ -87,23 +88,15 @@ def load_row_parts(ref, first_query, tiling: Tiling, rows=None) -> list:
     if len(parts) == 1:
         return [load_rows(ref if rows is None else ref.at[rows], first_query, tiling,
                           tiling.d_k)]
-    rows = slice(None) if rows is None else rows
-    out = []
-    for offset, width in parts:
-        tile = ref[rows, :, pl.ds(offset, width)]
-        out.append(tile.reshape(tile.shape[0] * tile.shape[1], width))
-    return out
+    return load_head_rows(ref, slice(None) if rows is None else rows, parts)
 
 
 def store_row_parts(ref, values: list, tiling: Tiling) -> None:
     """Inverse of `load_row_parts` for a whole `[q_tile, h_pad, dk_pad]` block."""
-    parts = tiling.k_parts
-    if len(parts) == 1:
+    if len(tiling.k_parts) == 1:
         store_rows(ref, values[0], tiling, tiling.d_k)
-        return
-    q_tile, h_pad = ref.shape[:2]
-    for (offset, width), value in zip(parts, values):
-        ref[:, :, pl.ds(offset, width)] = value.reshape(q_tile, h_pad, width).astype(ref.dtype)
+    else:
+        store_head_rows(ref, values, tiling.k_parts)
 
 
 def store_rows(ref, rows, tiling: Tiling, dim: Optional[int]):

@@ -31,10 +31,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (LN_2, LOG2_E, MASK, MIN_PART, check_implementation,
-                                    check_kernel_dtype, check_tile_sizes, dot, key_parts,
-                                    dot_parts, matmul_dim, next_pow2, online_softmax_finish,
-                                    online_softmax_init, online_softmax_step, pad_axis,
-                                    pallas_call, parts_width, softmax_scale, store_cols)
+                                    check_kernel_dtype, check_tile_sizes, dot, dot_parts,
+                                    key_parts, load_cols, load_head_rows, matmul_dim, next_pow2,
+                                    online_softmax_finish, online_softmax_init,
+                                    online_softmax_step, pad_axis, pallas_call, parts_width,
+                                    softmax_scale, store_cols, store_head_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,33 +148,9 @@ def _visible(query, key, window: int):
     return (key <= query) & (key > query - window)
 
 
-def _load_rows(ref, first, q_tile: int, parts: tuple) -> list:
-    """Rows `[q_tile * h_pad, width]` of queries `first ..` of a `[.., h_pad, d]` ref, one array a
-    column part."""
-    h_pad = ref.shape[1]
-    rows = pl.ds(first, q_tile)
-    if len(parts) == 1 and parts[0][1] == ref.shape[2]:
-        return [ref[rows, :, :].reshape(q_tile * h_pad, ref.shape[2])]
-    return [ref[rows, :, pl.ds(o, w)].reshape(q_tile * h_pad, w) for o, w in parts]
-
-
-def _store_rows(ref, values: list, parts: tuple) -> None:
-    """Inverse of `_load_rows` for a whole `[q_tile, h_pad, d]` block."""
-    q_tile, h_pad = ref.shape[:2]
-    if len(parts) == 1 and parts[0][1] == ref.shape[2]:
-        ref[...] = values[0].reshape(ref.shape).astype(ref.dtype)
-        return
-    for (o, w), value in zip(parts, values):
-        ref[:, :, pl.ds(o, w)] = value.reshape(q_tile, h_pad, w).astype(ref.dtype)
-
-
 def _row_stats(ref, first, q_tile: int):
     """`[q_tile * h_pad]` of a `[.., h_pad]` float32 ref (lse, delta)."""
     return ref[pl.ds(first, q_tile), :].reshape(q_tile * ref.shape[1])
-
-
-def _load_keys(ref, first_key, block_kv: int, parts: tuple) -> list:
-    return [ref[pl.ds(first_key, block_kv), pl.ds(o, w)] for o, w in parts]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,12 +164,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, geo: _Geometry, scale: f
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
     parts = geo.dk_parts
-    q = _load_rows(q_ref, 0, q_tile, parts)
+    q = load_head_rows(q_ref, pl.ds(0, q_tile), parts)
     position = _positions(first_query, q_tile, geo.h_pad)
 
     def body(tile, carry, masked: bool):
         first_key = tile * block_kv
-        k = _load_keys(k_ref, first_key, block_kv, parts)
+        k = load_cols(k_ref, (pl.ds(first_key, block_kv),), parts)
         v = v_ref[pl.ds(first_key, block_kv), :]
         s = dot_parts(q, k) * (scale * LOG2_E)               # [rows, block_kv], log2 domain
         if masked:
@@ -219,8 +196,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, geo: 
     q_tile = q_ref.shape[0]
     first_query = pl.program_id(1) * q_tile
     parts = geo.dk_parts
-    q = _load_rows(q_ref, 0, q_tile, parts)
-    (do,) = _load_rows(do_ref, 0, q_tile, ((0, do_ref.shape[2]),))
+    q = load_head_rows(q_ref, pl.ds(0, q_tile), parts)
+    (do,) = load_head_rows(do_ref, pl.ds(0, q_tile), ((0, do_ref.shape[2]),))
     # Padded rows carry lse = +inf: p = 0 there without a mask.
     lse2 = _row_stats(lse_ref, 0, q_tile) * LOG2_E
     delta = _row_stats(delta_ref, 0, q_tile)
@@ -228,7 +205,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, geo: 
 
     def body(tile, dq, masked: bool):
         first_key = tile * block_kv
-        k = _load_keys(k_ref, first_key, block_kv, parts)
+        k = load_cols(k_ref, (pl.ds(first_key, block_kv),), parts)
         v = v_ref[pl.ds(first_key, block_kv), :]
         p = jnp.exp2(dot_parts(q, k) * (scale * LOG2_E) - lse2[:, None])
         if masked:
@@ -242,7 +219,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, geo: 
     dq = lax.fori_loop(start, bulk_start, functools.partial(body, masked=True), dq)
     dq = lax.fori_loop(bulk_start, bulk_stop, functools.partial(body, masked=False), dq)
     dq = lax.fori_loop(bulk_stop, stop, functools.partial(body, masked=True), dq)
-    _store_rows(dq_ref, [x * scale for x in dq], parts)
+    store_head_rows(dq_ref, [x * scale for x in dq], parts)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
@@ -254,15 +231,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
     block_kv = k_ref.shape[0]
     first_key = pl.program_id(1) * block_kv
     parts = geo.dk_parts
-    k = _load_keys(k_ref, 0, block_kv, parts)
+    k = load_cols(k_ref, (pl.ds(0, block_kv),), parts)
     v = v_ref[...]
     key = first_key + jnp.arange(block_kv, dtype=jnp.int32)
 
     def body(q_index, carry, masked: bool):
         dk, dv = carry
         first_query = q_index * q_tile
-        q = _load_rows(q_ref, first_query, q_tile, parts)
-        (do,) = _load_rows(do_ref, first_query, q_tile, ((0, do_ref.shape[2]),))
+        q = load_head_rows(q_ref, pl.ds(first_query, q_tile), parts)
+        (do,) = load_head_rows(do_ref, pl.ds(first_query, q_tile), ((0, do_ref.shape[2]),))
         # Padded rows carry lse = +inf: p = 0 there without a mask.
         lse2 = _row_stats(lse_ref, first_query, q_tile) * LOG2_E
         delta = _row_stats(delta_ref, first_query, q_tile)
