@@ -9,8 +9,8 @@ kernel declines (float64, heads wider than its architecture's tiles).
 
 The two branches that fused attention can run (compressed and window) take, in order:
 FlashAttention-3 where it takes the shapes (sm90 profile, head dims <= 128, `flash_attn3_jax`
-installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`, off inside a multi-device
-`shard_map`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
+installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`; `nsa_jax.sharding` keeps
+it inside a multi-device `shard_map` where `cudnn.unpartitioned_ready()`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
 XLA's chunked paths run only where a kernel declines. The window follows the same order on a
 GPU (`PallasOptions.window_kernel`, default on there); in interpret mode, or with
 `window_kernel=False`, this adapter declines it and backend `"xla"` runs it (FA-3, cuDNN or its
@@ -59,7 +59,8 @@ class PallasOptions:
     profile is sm90 (`NSA_PROFILE=sm89` turns it off on any GPU, as it limits cuDNN's heads to
     the 128 it takes on an RTX 4090).
     cudnn_kernel: cuDNN's own kernel may run that path where FA-3 does not (off: FA-3 or the
-    Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map`).
+    Pallas kernel; `nsa_jax.sharding` turns it off inside a multi-device `shard_map` where
+    jax's cuDNN primitives cannot be bound below their `custom_partitioning`).
     window_kernel: run the window branch on this backend: FA-3 or cuDNN as below, else the
     Pallas window kernel (`pallas_kernels.window_attention`, O(T w) time and memory). None
     (default): on a GPU, on; in interpret mode, off. Off, the adapter declines the window and
@@ -68,7 +69,7 @@ class PallasOptions:
     window: where FA-3 or cuDNN take the window they still run it (on an H100, d 128, 64k: the
     core with FA-3's window 38.00 / 111.3 ms, with the kernel forced 39.86 / 120.0;
     bench/RESULTS.md, "The Pallas window kernel"). Where neither does (d_k 192 off sm90, where
-    cuDNN takes heads up to 128; inside a multi-device `shard_map`, where cuDNN's kernel is off),
+    cuDNN takes heads up to 128; a multi-device `shard_map` where cuDNN's kernel is off),
     the kernel is faster and holds O(T w) memory: on an H100 with `NSA_PROFILE=sm89`, d_k 192,
     32k, the window took 6.45 / 50.1 ms against 19.6 / 56.7 on XLA's chunked path, and the core
     35.2 / 224.4 against 48.2 / 253.5 (bench/RESULTS.md, "An RTX 4090's path").

@@ -33,6 +33,7 @@ from nsa_jax.pallas_backend import DEFAULT_OPTIONS as PALLAS_DEFAULTS
 from nsa_jax.layer import (check_layer_inputs, combine, nsa_attention, param_shapes,
                            project)
 from nsa_jax.segments import Segments
+from nsa_jax.xla import cudnn
 from nsa_jax.xla.common import map_query_chunks
 from nsa_jax.xla.compressed_attention import cmp_probabilities
 from nsa_jax.xla.options import DEFAULT_OPTIONS as XLA_DEFAULTS
@@ -211,17 +212,16 @@ def local_config(cfg: NSAConfig, mesh: Mesh, axes: MeshAxes) -> NSAConfig:
 
 
 def body_options(options: Optional[Mapping[str, Any]], mesh: Mesh) -> Optional[dict]:
-    """The options the branches get inside `shard_map`: as given, but with more than one device
-    cuDNN's own fused kernel is off (`cudnn_kernel` of both backends' options): the window and
-    compressed branches run on FlashAttention-3 where it takes them, else the compressed branch
-    on the Pallas kernel (backend "pallas") or XLA's chunked path ("xla"), and the window on
-    the Pallas window kernel (backend "pallas" on a GPU, `PallasOptions.window_kernel`) or XLA's
-    chunked path. With jax
-    0.11.2 on 2 H100s, XLA's compilation of the layer's *gradient* segfaults whenever cuDNN's
-    kernel runs either branch inside a `shard_map` over several devices (data or model axis;
-    bf16; the forward compiles, a one-device mesh works, and so does cuDNN's attention alone in
-    a `shard_map`): scripts/repro_cudnn_shard_map.py reproduces it."""
-    if mesh.size == 1:
+    """The options the branches get inside `shard_map`: as given, where cuDNN's attention can be
+    bound below jax's `custom_partitioning` (`cudnn.unpartitioned_ready`, jax 0.10.2 to 0.11.2:
+    inside a multi-device `shard_map` the cuDNN calls take that form, `cudnn.in_manual_region`).
+    Elsewhere, with more than one device, cuDNN's own fused kernel is off (`cudnn_kernel` of
+    both backends' options): the window and compressed branches run on FlashAttention-3 where it
+    takes them, else on the Pallas kernels (backend "pallas") or XLA's chunked paths ("xla").
+    Through jax's wrapper, XLA's compilation of the layer's *gradient* segfaults whenever cuDNN's
+    kernel runs either branch inside a `shard_map` over several devices (jax 0.11.2, in its
+    Shardy-to-HLO conversion; scripts/repro_cudnn_shard_map.py)."""
+    if mesh.size == 1 or cudnn.unpartitioned_ready():
         return dict(options) if options else None
     options = dict(options or {})
     options["xla"] = dataclasses.replace(options.get("xla") or XLA_DEFAULTS, cudnn_kernel=False)

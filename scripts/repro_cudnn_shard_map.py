@@ -1,19 +1,25 @@
 """Reproducer: XLA's compilation of the sharded layer's gradient segfaults on 2 GPUs
-when cuDNN's fused attention runs inside the `shard_map` (jax 0.11.2, 2 x H100, 2026-11-25).
+when cuDNN's fused attention runs inside the `shard_map` through jax's `custom_partitioning`
+wrapper (jax 0.11.2, 2 x H100 and 2 x H200; the crash is in XLA's Shardy-to-HLO conversion,
+the pass after the SPMD partitioner's simplification).
 
-`nsa_jax.sharding.body_options` turns cuDNN off inside a multi-device `shard_map` because of
-this; the script bypasses that to show the crash, one case per subprocess (a segfault ends only
-its case), and prints a line per case: `ok`, or the signal that ended it.
+`nsa_jax.xla.cudnn` binds jax's cuDNN primitives below that wrapper inside a multi-device
+`shard_map` (`cudnn.in_manual_region`, `cudnn._unpartitioned_attention`), where the arrays are
+local and nothing needs partitioning; `nsa_jax.sharding.body_options` turns cuDNN off there
+only where that form is not available. The script bypasses `body_options`, one case per
+subprocess (a segfault ends only its case), and prints a line per case: `ok`, or the signal
+that ended it.
 
 Cases (bf16, B 2, T 2048, H 16, G 8, d 64; mesh of 2 devices unless said):
   layer_fwd         the layer's forward, data axis                     (compiles)
-  layer_grad        its gradient                                        (segfault)
-  layer_grad_one    the same on a mesh of one device                    (compiles)
-  layer_grad_nowin  cuDNN only on the compressed branch                 (segfault)
-  layer_grad_nocmp  cuDNN only on the window branch                     (segfault)
+  layer_grad        its gradient, cuDNN bound below the wrapper         (compiles)
+  layer_grad_partitioned  the same through jax's wrapper               (segfault)
+  layer_grad_one    the wrapper on a mesh of one device                 (compiles)
+  layer_grad_nowin  the wrapper, cuDNN only on the compressed branch    (segfault)
+  layer_grad_nocmp  the wrapper, cuDNN only on the window branch        (segfault)
   layer_grad_nocudnn  neither                                           (compiles)
   layer_grad_fa3    both fused branches on FlashAttention-3 instead of cuDNN (needs
-                    flash_attn3_jax; what `sharding.body_options` leaves on)
+                    flash_attn3_jax)
   raw_win_grad      jax.nn.dot_product_attention(cudnn, window) alone in shard_map (compiles)
 
     python scripts/repro_cudnn_shard_map.py            # every case
@@ -27,7 +33,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = ("layer_fwd", "layer_grad", "layer_grad_one", "layer_grad_nowin", "layer_grad_nocmp",
+CASES = ("layer_fwd", "layer_grad", "layer_grad_partitioned", "layer_grad_one", "layer_grad_nowin",
+         "layer_grad_nocmp",
          "layer_grad_nocudnn", "layer_grad_fa3", "raw_win_grad")
 
 
@@ -37,12 +44,14 @@ def run_case(case: str) -> None:
     from nsa_jax import sharding
     from nsa_jax.xla import cudnn
 
-    keep = sharding.body_options
+    keep, keep_manual = sharding.body_options, cudnn.in_manual_region
     sharding.body_options = lambda options, mesh: dict(options) if options else None
+    if case in ("layer_grad_one", "layer_grad_nowin", "layer_grad_nocmp", "layer_grad_partitioned"):
+        cudnn.in_manual_region = lambda: False      # through jax's custom_partitioning wrapper
     try:
         _compile_and_run(case)
     finally:
-        sharding.body_options = keep
+        sharding.body_options, cudnn.in_manual_region = keep, keep_manual
 
 
 def _compile_and_run(case: str) -> None:

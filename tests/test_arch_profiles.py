@@ -12,7 +12,6 @@ import importlib
 import os
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -293,8 +292,10 @@ def paths(monkeypatch):
     return taken
 
 
-# Inside a `shard_map` over 2 devices: the options `nsa_jax.sharding` gives the branches.
-SHARD_MAP = sharding.body_options(None, types.SimpleNamespace(size=2))
+# cuDNN's own kernel off: the options `nsa_jax.sharding` gives the branches inside a `shard_map`
+# over 2 devices where jax's cuDNN primitives cannot be bound below their custom_partitioning.
+SHARD_MAP = {"xla": dataclasses.replace(sharding.XLA_DEFAULTS, cudnn_kernel=False),
+             "pallas": pallas_backend.PallasOptions(cudnn_kernel=False)}
 
 
 # profile, head dims, options; the path of both branches with `window_kernel` on; the window's

@@ -132,17 +132,45 @@ def test_decode_matches_unsharded(backend):
     assert_sharded_like(cache_sh, sharding.cache_specs(CFG, axes), mesh)
 
 
-def test_cudnn_kernel_off_inside_a_multi_device_shard_map():
-    """body_options: cuDNN's own kernel off (both backends) with more than one device, FA-3 and
-    the caller's other options kept; a one-device mesh keeps the options as given."""
+def test_cudnn_kernel_inside_a_multi_device_shard_map(monkeypatch):
+    """body_options: where jax's cuDNN primitives can be bound below their custom_partitioning
+    the options pass as given; where not, cuDNN's own kernel is off (both backends) with more
+    than one device, FA-3 and the caller's other options kept; a one-device mesh keeps the
+    options as given."""
+    from nsa_jax.xla import cudnn
+
     mesh, _ = make_mesh(data=2)
-    opts = sharding.body_options({"xla": nsa_jax.XlaOptions(window_q_chunk=64)}, mesh)
+    given = {"xla": nsa_jax.XlaOptions(window_q_chunk=64)}
+    assert cudnn.unpartitioned_ready()          # jax 0.10.2 to 0.11.2 lay the primitives out so
+    assert sharding.body_options(given, mesh) == given
+    assert sharding.body_options(None, mesh) is None
+    monkeypatch.setattr(cudnn, "unpartitioned_ready", lambda: False)
+    opts = sharding.body_options(given, mesh)
     assert opts["xla"] == nsa_jax.XlaOptions(window_q_chunk=64, cudnn_kernel=False)
     assert opts["pallas"] == nsa_jax.PallasOptions(cudnn_kernel=False)
     one, _ = make_mesh(data=1)
     assert sharding.body_options(None, one) is None
     given = {"pallas": nsa_jax.PallasOptions(interpret=True)}
     assert sharding.body_options(given, one) == given
+
+
+def test_manual_region_is_seen_inside_shard_map_only():
+    """cudnn.in_manual_region: false under plain jit, true inside a `shard_map` (the cuDNN calls
+    then skip jax's custom_partitioning)."""
+    from jax.sharding import PartitionSpec as P
+    from nsa_jax.xla import cudnn
+
+    seen = []
+
+    def body(x):
+        seen.append(cudnn.in_manual_region())
+        return x
+
+    mesh, _ = make_mesh(data=2)
+    jax.jit(body)(jnp.ones(4))
+    jax.jit(sharding.shard_map(body, mesh, in_specs=P("data"), out_specs=P("data")))(
+        jnp.ones(4))
+    assert seen == [False, True]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ of `XlaOptions` and `PallasOptions`, on by default). On an H200 it ran the 64k w
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import jax
@@ -88,6 +89,10 @@ def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: boo
     wherever the private function is missing or refuses its arguments, the public call runs."""
     d_k, d_v = q.shape[-1], v.shape[-1]
     unpadded = d_v == d_k or (cudnn_mla() if mla is None else mla)
+    if in_manual_region() and unpartitioned_ready():
+        o, lse = _unpartitioned_attention(q, k, v if unpadded else pad_v(v, d_k), float(scale),
+                                          window)
+        return (o[..., :d_v], jnp.swapaxes(lse, 1, 2)) if residual else o[..., :d_v]
     private = _cudnn_private()
     if private is not None and (residual or (d_v < d_k and unpadded)):
         fn, mask_type = private
@@ -109,6 +114,81 @@ def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: boo
     if residual:
         return out[0][..., :d_v], out[1].astype(jnp.promote_types(out[1].dtype, jnp.float32))
     return out[..., :d_v]
+
+
+def in_manual_region() -> bool:
+    """Whether this trace is inside a `shard_map` whose every mesh axis is manual (local arrays,
+    nothing for XLA's partitioner to do)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
+
+
+# The parameters of jax's cuDNN primitives' implementations (jax 0.10.2 to 0.11.2), below the
+# `custom_partitioning` that jax wraps them in.
+_FWD_PARAMS = ("query", "key", "value", "bias", "q_seqlen", "kv_seqlen", "q_offsets",
+               "kv_offsets", "page_table_k", "page_table_v", "scale", "seed", "dropout_rate",
+               "variadic_args", "mask_type", "layout", "sliding_window_length", "is_training")
+_BWD_PARAMS = _FWD_PARAMS[:10] + ("activation", "fwd_output", "grad_output") + tuple(
+    p for p in _FWD_PARAMS[10:] if p != "is_training")
+
+
+@functools.lru_cache(maxsize=None)
+def _unpartitioned_ops():
+    """(forward, backward, causal mask, BTNH layout) of jax's cuDNN attention primitives as
+    bound below their `custom_partitioning`, or None where this jax lays them out otherwise."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as private
+        fwd = private._dot_product_attention_fwd_impl
+        bwd = private._dot_product_attention_bwd_impl
+        if (tuple(inspect.signature(fwd).parameters) != _FWD_PARAMS
+                or tuple(inspect.signature(bwd).parameters) != _BWD_PARAMS):
+            return None
+        return fwd, bwd, private.MaskType.CAUSAL, private._normalize_layout("BTNH").value
+    except (ImportError, AttributeError, KeyError, ValueError, TypeError):
+        return None
+
+
+def unpartitioned_ready() -> bool:
+    """Whether cuDNN's attention can be called without jax's `custom_partitioning` wrapper
+    (`_unpartitioned_attention`), which a multi-device `shard_map` needs."""
+    return _unpartitioned_ops() is not None
+
+
+def _unpartitioned_static(window):
+    _, _, causal, layout = _unpartitioned_ops()
+    return dict(seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=causal,
+                layout=layout, sliding_window_length=window)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _unpartitioned_attention(q, k, v, scale: float, window):
+    """Causal cuDNN attention (window as in `_cudnn_attention`) -> (o, lse `[B, N, S]`), bound
+    straight to jax's cuDNN primitives. jax wraps them in `custom_partitioning` so that GSPMD can
+    split them; inside a multi-device `shard_map` the arrays are local and that wrapper is what
+    made XLA's compile of the layer's gradient segfault (jax 0.11.2, in its Shardy-to-HLO
+    conversion; scripts/repro_cudnn_shard_map.py). As in jax's own call, the lse takes no
+    cotangent."""
+    return _unpartitioned_fwd(q, k, v, scale, window)[0]
+
+
+def _unpartitioned_fwd(q, k, v, scale, window):
+    fwd = _unpartitioned_ops()[0]
+    empty = jnp.zeros(0, q.dtype)
+    o, lse = fwd(q, k, v, *(empty,) * 7, scale=scale, is_training=True,
+                 **_unpartitioned_static(window))
+    return (o, lse), (q, k, v, o, lse)
+
+
+def _unpartitioned_bwd(scale, window, residuals, cotangents):
+    q, k, v, o, lse = residuals
+    bwd = _unpartitioned_ops()[1]
+    empty = jnp.zeros(0, q.dtype)
+    dq, dk, dv = bwd(q, k, v, *(empty,) * 7, lse, o, cotangents[0].astype(o.dtype),
+                     scale=scale, **_unpartitioned_static(window))[:3]
+    return dq, dk, dv
+
+
+_unpartitioned_attention.defvjp(_unpartitioned_fwd, _unpartitioned_bwd)
 
 
 def _warn_private_fallback(exc) -> None:

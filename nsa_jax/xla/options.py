@@ -25,7 +25,9 @@ class XlaOptions:
     bench/RESULTS.md). Nothing changes where the package is absent.
     `cudnn_kernel`: cuDNN's own kernel may run those paths where FA-3 does not (off: only
     FA-3 runs them, else the chunked paths). `nsa_jax.sharding` turns it off inside a
-    `shard_map` over several devices, where XLA's compile of cuDNN's gradient segfaults.
+    `shard_map` over several devices only where jax's cuDNN primitives cannot be bound below
+    their `custom_partitioning` (`cudnn.unpartitioned_ready`; through it XLA's compile of the
+    gradient segfaults there).
     """
 
     compressed_q_chunk: int = 128

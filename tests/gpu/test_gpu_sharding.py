@@ -79,23 +79,30 @@ def _inputs(dtype=jnp.float32):
     return jax.tree_util.tree_map(lambda a: a.astype(dtype), (params, x))
 
 
+# FlashAttention-3 off: the fused branches on cuDNN's own kernel (the one GPU and the shards).
+CUDNN_ONLY = (("xla", nsa_jax.XlaOptions(fa3=False)), ("pallas", nsa_jax.PallasOptions(fa3=False)))
+
+
 @functools.lru_cache(maxsize=None)
-def _one_gpu(backend, dtype=jnp.float32):
-    """The unsharded layer on the first GPU (computed once per backend and dtype)."""
+def _one_gpu(backend, dtype=jnp.float32, options=None):
+    """The unsharded layer on the first GPU (computed once per backend, dtype and options)."""
     params, x = _inputs(dtype)
     with jax.default_device(jax.devices("gpu")[0]):
         return loss_and_grads(
-            lambda p, x: nsa_jax.nsa_attention(p, x, CFG, backend=backend, return_aux=True),
+            lambda p, x: nsa_jax.nsa_attention(p, x, CFG, backend=backend, return_aux=True,
+                                               options=dict(options) if options else None),
             params, x)
 
 
-def _sharded(params, x, sizes, backend):
+def _sharded(params, x, sizes, backend, options=None):
     mesh, axes = make_mesh(**sizes)
     params = sharding.shard_params(params, CFG, mesh, axes)
     x = jax.device_put(x, NamedSharding(mesh, sharding.input_spec(axes)))
     return loss_and_grads(
         lambda p, x: sharding.sharded_nsa_attention(p, x, CFG, mesh, axes=axes, backend=backend,
-                                                    return_aux=True), params, x)
+                                                    return_aux=True,
+                                                    options=dict(options) if options else None),
+        params, x)
 
 
 def _cases():
@@ -121,9 +128,15 @@ def test_float32_matches_one_gpu(sizes, backend):
 
 @pytest.mark.parametrize("sizes, backend", list(_cases()))
 def test_bfloat16_no_less_accurate_than_one_gpu(sizes, backend):
-    y_f32, _, grads_f32 = _one_gpu(backend)
-    y_one, aux_one, grads_one = _one_gpu(backend, jnp.bfloat16)
-    y, aux, grads = _sharded(*_inputs(jnp.bfloat16), sizes, backend)
+    _assert_bf16_like_one_gpu(_sharded(*_inputs(jnp.bfloat16), sizes, backend), backend)
+
+
+def _assert_bf16_like_one_gpu(sharded, backend, options=None):
+    """The bf16 sharded (y, aux, grads) against the one-GPU layer with the same options: within
+    TOL_16 of its bf16 output, no less accurate against its float32 result."""
+    y, aux, grads = sharded
+    y_f32, _, grads_f32 = _one_gpu(backend, jnp.float32, options)
+    y_one, aux_one, grads_one = _one_gpu(backend, jnp.bfloat16, options)
     assert rel_err(y, y_one) <= TOL_16
     assert rel_err(y, y_f32) <= NO_WORSE * rel_err(y_one, y_f32) + BF16_U
     # Selections may differ only at near-ties: at most 1% of the (token, head, slot) entries.
@@ -131,6 +144,33 @@ def test_bfloat16_no_less_accurate_than_one_gpu(sizes, backend):
     err, err_one = grad_errors(grads, grads_f32), grad_errors(grads_one, grads_f32)
     for name, e in err.items():
         assert e <= NO_WORSE * err_one[name] + BF16_U, (name, e, err_one[name])
+
+
+@pytest.mark.parametrize("sizes", [dict(data=2), dict(model=2)], ids=_mesh_id)
+@pytest.mark.parametrize("backend", ["xla", ("pallas", "xla")], ids=["xla", "pallas"])
+def test_bfloat16_cudnn_inside_shard_map(sizes, backend, monkeypatch):
+    """FA-3 off, so cuDNN's own kernel runs both fused branches inside the multi-device
+    `shard_map`, bound below jax's custom_partitioning (through it XLA's compile of this
+    gradient segfaults): it compiles, runs there, and is held to the bf16 checks above against
+    the same options on one GPU."""
+    from nsa_jax.xla import cudnn
+
+    if not cudnn.unpartitioned_ready():
+        pytest.skip("this jax lays out its cuDNN primitives otherwise: cuDNN stays off there")
+    ran = []
+    bound = cudnn._unpartitioned_attention
+
+    def counted(*args):
+        ran.append(args[-1])            # the window, None for the compressed branch's causal
+        return bound(*args)
+
+    monkeypatch.setattr(cudnn, "_unpartitioned_attention", counted)
+    try:
+        sharded = _sharded(*_inputs(jnp.bfloat16), sizes, backend, CUDNN_ONLY)
+    finally:
+        jax.clear_caches()
+    assert sorted(set(ran), key=str) == sorted({None, CFG.window}, key=str)
+    _assert_bf16_like_one_gpu(sharded, backend, CUDNN_ONLY)
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
