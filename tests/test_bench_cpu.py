@@ -221,6 +221,30 @@ def test_decode_timing_modes_read_the_same(tmp_path, cpu_env, timing):
         (S + 1 - 8) // 4 + 1, 16)
 
 
+def test_decode_full_step_pads_the_value_cache(cpu_env):
+    """The full-attention decode baseline with d_v < d_k keeps its v cache at d_k columns, zeros
+    past d_v, and cuts o back: the step equals attention over the unpadded values."""
+    import jax
+    import jax.numpy as jnp
+
+    args = bench_decode.parse_args(TINY_NSA + ["--device", "cpu", "--dtype", "float32",
+                                               "--d_model", "32", "--H", "4", "--G", "2",
+                                               "--dk", "16", "--dv", "8"])
+    B, S, H, G, dk, dv = 2, 24, 4, 2, 16, 8
+    step, params, xs, make_cache = bench_decode.full_setup(args, "xla", B, S)
+    cache = make_cache()
+    assert cache[1].shape[-1] == dk and not np.any(np.asarray(cache[1][..., dv:]))
+    y, (k_cache, v_cache, _) = step(params, xs[0], args.cfg, cache)
+    assert not np.any(np.asarray(v_cache[..., dv:]))
+    q = (xs[0] @ params["w_qkv"])[..., :H * dk].reshape(B, H, dk)
+    k, v = np.asarray(k_cache[:, :S + 1]), np.asarray(v_cache[:, :S + 1, :, :dv])
+    s = np.einsum("bhd,bshd->bhs", np.asarray(q), np.repeat(k, H // G, axis=2)) / np.sqrt(dk)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = np.einsum("bhs,bshd->bhd", p / p.sum(-1, keepdims=True), np.repeat(v, H // G, axis=2))
+    want = o.reshape(B, 1, H * dv) @ np.asarray(params["wo"])
+    np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
+
+
 def test_decode_rejects_bad_loop_steps():
     with pytest.raises(ValueError, match="loop_steps"):
         bench_decode.parse_args(["--device", "cpu", "--loop_steps", "0"])
