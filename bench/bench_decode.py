@@ -21,9 +21,10 @@ Per point (B, S):
                    projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
                    and d_k <= 128), cudnn (jax.nn.dot_product_attention with
                    key_value_seq_lengths), xla (the same, XLA); with d_v < d_k the v cache holds
-                   d_k columns, zeros past d_v, since each takes d_v = d_k only. The same step with q in place
-                   of the attention's output is timed too: its `attn_ms` is the attention's own
-                   cost, and `attn_speedup` (on the NSA row) compares the two attentions alone.
+                   d_k columns, zeros past d_v, since each takes d_v = d_k only. The same step
+                   with q in place of the attention's output is timed too: its `attn_ms` is the
+                   attention's own cost, and `attn_speedup` (on the NSA row) compares the two
+                   attentions alone.
 
 Timing (--timing): "loop" (default) runs --loop_steps steps per jitted call in a `lax.scan` that
 carries the cache, as a jitted generation loop does, and reports the call's time per step: the

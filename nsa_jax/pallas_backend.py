@@ -10,7 +10,8 @@ kernel declines (float64, heads wider than its architecture's tiles).
 The two branches that fused attention can run (compressed and window) take, in order:
 FlashAttention-3 where it takes the shapes (sm90 profile, head dims <= 128, `flash_attn3_jax`
 installed), else cuDNN's kernel where it is allowed (`cudnn_kernel`; `nsa_jax.sharding` keeps
-it inside a multi-device `shard_map` where `cudnn.unpartitioned_ready()`) and takes them (its head-size limit is 128 off sm90), else the Pallas kernel.
+it inside a multi-device `shard_map` where `cudnn.unpartitioned_ready()`) and takes them (its
+head-size limit is 128 off sm90), else the Pallas kernel.
 XLA's chunked paths run only where a kernel declines. The window follows the same order on a
 GPU (`PallasOptions.window_kernel`, default on there); in interpret mode, or with
 `window_kernel=False`, this adapter declines it and backend `"xla"` runs it (FA-3, cuDNN or its
