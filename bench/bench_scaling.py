@@ -92,7 +92,8 @@ def _layer_step(cfg, mesh, axes, backend: str, pass_name: str, fa3: bool = True)
 
     from nsa_jax import PallasOptions, sharding
 
-    # FA-3 off: the fused branches run where a GPU without it runs them (the Pallas kernels).
+    # FA-3 off: the fused branches run where a GPU without it runs them (cuDNN where it takes
+    # the heads, else the Pallas kernels).
     options = None if fa3 else {"pallas": PallasOptions(fa3=False)}
 
     def forward(params, x):

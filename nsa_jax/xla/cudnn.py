@@ -89,24 +89,23 @@ def _cudnn_attention(q, k, v, scale: float, *, window: int | None, residual: boo
     wherever the private function is missing or refuses its arguments, the public call runs."""
     d_k, d_v = q.shape[-1], v.shape[-1]
     unpadded = d_v == d_k or (cudnn_mla() if mla is None else mla)
+    value = v if unpadded else pad_v(v, d_k)
+    out, private = None, _cudnn_private()
     if in_manual_region() and unpartitioned_ready():
-        o, lse = _unpartitioned_attention(q, k, v if unpadded else pad_v(v, d_k), float(scale),
-                                          window)
-        return (o[..., :d_v], jnp.swapaxes(lse, 1, 2)) if residual else o[..., :d_v]
-    private = _cudnn_private()
-    if private is not None and (residual or (d_v < d_k and unpadded)):
+        out = _unpartitioned_attention(q, k, value, float(scale), window)
+        out = out if residual else out[0]
+    elif private is not None and (residual or (d_v < d_k and unpadded)):
         fn, mask_type = private
         try:
-            out = fn(query=q, key=k, value=v if unpadded else pad_v(v, d_k), scale=scale,
-                     mask_type=mask_type.CAUSAL, sliding_window_length=window,
-                     return_residual=residual)
+            out = fn(query=q, key=k, value=value, scale=scale, mask_type=mask_type.CAUSAL,
+                     sliding_window_length=window, return_residual=residual)
         except (TypeError, ValueError, NotImplementedError) as exc:
             _warn_private_fallback(exc)
-        else:
-            if residual:
-                o, lse = out
-                return o[..., :d_v], jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
-            return out
+    if out is not None:       # jax's primitives, through its private function or below it
+        if residual:
+            o, lse = out
+            return o[..., :d_v], jnp.swapaxes(lse, 1, 2)   # cuDNN's residual is [B, N, S]
+        return out[..., :d_v]
     out = jax.nn.dot_product_attention(
         q, k, pad_v(v, d_k), scale=scale, is_causal=True, implementation="cudnn",
         local_window_size=None if window is None else (window - 1, 0),
