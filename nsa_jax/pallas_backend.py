@@ -270,8 +270,8 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
                   options: Optional[PallasOptions] = None):
     """A decode step's appends (one token per sequence) in one kernel, in place
     (`pallas_kernels.append_rows`; with `packed`, `append_rows_packed` reads the tokens and rows
-    out of the projections, and `tokens` / `index` go unused); a chunk, or G*d not a power of
-    two, goes to XLA."""
+    out of the projections, and `tokens` / `index` go unused); a chunk, or G*d neither a power
+    of two nor the sum of two, goes to XLA."""
     del cfg, positions
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")

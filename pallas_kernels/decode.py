@@ -18,9 +18,12 @@ heads as rows (padded to the 16 a matrix-unit product needs).
   `> t - w`), each with its own online softmax.
 
 The caches are not copied: a tile that would run past the end of an array starts earlier so that
-it ends at the array's end, and the slots it shares with the previous tile are masked out. An
-array shorter than one tile, or a head dimension that is not a power of two >= 16, is padded
-(a copy per call, e.g. the paper's d_k = 192).
+it ends at the array's end, and the slots it shares with the previous tile are masked out. d_k
+enters the scores in power-of-two column parts (`column_parts`: the paper's 192 as 128 + 64),
+so the key caches are read as they are stored. An array shorter than one tile, or a head
+dimension that is neither a power of two >= 16 nor the sum of two (e.g. 24, or any d_k with
+`split_dk` off), is padded: a copy of that cache per call (at d_k 192 with `split_dk` off, the
+whole selection cache's keys, every step).
 
 Lowering: the Pallas Triton lowering (`implementation="triton"`); `"xla"` runs the plain-JAX
 references below, which the tests compare with the kernels in interpret mode.
@@ -40,9 +43,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible, overlap_by_offset, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
-                                    dot, matmul_dim, next_pow2, online_softmax_finish,
-                                    online_softmax_init, online_softmax_step, pad_axis,
-                                    pallas_call)
+                                    column_parts, dot_parts, load_cols, matmul_dim,
+                                    next_pow2, online_softmax_finish, online_softmax_init,
+                                    online_softmax_step, pad_axis, pallas_call, parts_width)
 from pallas_kernels.select_blocks import BlockSizes, top_n
 
 __all__ = [
@@ -81,7 +84,9 @@ class DecodeBlockSizes:
     append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
     scatters). append_packed: that kernel reads the tokens straight out of the projections and
     its rows out of one index array (`append_rows_packed`), so the step has no slice or row
-    kernels of its own; False: `append_rows` over the sliced tokens.
+    kernels of its own; False: `append_rows` over the sliced tokens. split_dk: d_k enters the
+    scores in its power-of-two column parts (192 = 128 + 64) and the key caches are read
+    unpadded; False: d_k padded to a power of two, a padded copy of every key cache per step.
     """
 
     block_cmp: int = 64
@@ -97,6 +102,7 @@ class DecodeBlockSizes:
     num_warps_topn: int = 4
     append_kernel: bool = True
     append_packed: bool = True
+    split_dk: bool = True
 
     def splits(self, rows: int, units: int) -> int:
         """Programs per (batch row, KV head) for `rows = B * G` of them and `units` pieces of
@@ -137,9 +143,10 @@ def _score_tile(s_ref, start, size: int):
 
 
 def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp_block,
-                cmp_stride, block, n_cmp, tiles_per_split, score_offset=0):
-    """Grid (batch row, KV head, split). t_ref [1] (this row's position); q_ref [h_pad, dk_pad];
-    k_ref [C_pad, dk_pad], v_ref [C_pad, dv_pad] (slots from n_cmp on are padding); this
+                cmp_stride, block, n_cmp, tiles_per_split, dk_parts, score_offset=0):
+    """Grid (batch row, KV head, split). t_ref [1] (this row's position); q_ref [h_pad, dk_w];
+    k_ref [C_pad, dk_w], v_ref [C_pad, dv_pad] (slots from n_cmp on are padding; dk_w: the
+    width of the column parts `dk_parts` that the scores are summed over); this
     split's partial softmax over its tiles: o_ref [h_pad, dv_pad] (float32, normalised),
     lse_ref [h_pad] (log2, -inf if it saw no key); s_ref [h_pad, >= score_offset + C_pad] (the
     log2 score of slot i at column score_offset + i: each split writes only its own slots)."""
@@ -150,7 +157,7 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
     # jax_enable_x64 a Python int would be int64.
     visible = jnp.minimum(lax.div(jnp.maximum(t - cmp_block + 1 + cmp_stride, 0),
                                   jnp.int32(cmp_stride)), n_cmp)
-    q = q_ref[...]
+    q = load_cols(q_ref, (), dk_parts)
     scale_log2 = scale * LOG2_E
     first_tile = pl.program_id(2) * tiles_per_split
     end_tile = jnp.minimum(first_tile + tiles_per_split, -(-n_slots // block))
@@ -160,10 +167,9 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
     def visit(i, carry):
         first = i * block
         start, slot = _tile(first, block, n_slots)
-        k = k_ref[pl.ds(start, block), :]
+        k = load_cols(k_ref, (pl.ds(start, block),), dk_parts)
         v = v_ref[pl.ds(start, block), :]
-        s = jnp.where((slot >= first) & (slot < visible), dot(q, k, trans_b=True) * scale_log2,
-                      MASK)
+        s = jnp.where((slot >= first) & (slot < visible), dot_parts(q, k) * scale_log2, MASK)
         # A tile shifted back to end at the array's end re-reads slots of the tile before it:
         # only its own slots are stored (so the splits write disjoint slots).
         new = jnp.broadcast_to(slot >= first, s.shape)
@@ -189,15 +195,15 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
 
 def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ls_ref,
                     ow_ref, lw_ref, *, scale, sel_block, tile, window, block_win, ring,
-                    blocks_per_split, ring_tiles_per_split):
+                    blocks_per_split, ring_tiles_per_split, dk_parts):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); idx_ref [n_sel_pad]
-    (-1 = none); q_ref [h_pad, dk_pad]; ks_ref [L, dk_pad], vs_ref [L, dv_pad] (every token);
-    kw_ref [W_pad, dk_pad], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
+    (-1 = none); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref [L, dv_pad] (every token);
+    kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
     s < ring holds token t - (t - s) mod ring). This split's partial softmaxes over its share of
     the selected blocks and of the ring tiles: os_ref, ow_ref [h_pad, dv_pad] (float32,
     normalised), ls_ref, lw_ref [h_pad] (log2, -inf if none)."""
     t = t_ref[0]
-    q = q_ref[...]
+    q = load_cols(q_ref, (), dk_parts)
     scale_log2 = scale * LOG2_E
     split = pl.program_id(2)
     length, ring_pad = ks_ref.shape[0], kw_ref.shape[0]
@@ -207,10 +213,10 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         live = (j >= 0) & (j * sel_block <= t)
         first = jnp.where(live, j, 0) * sel_block
         start, pos = _tile(first, tile, length)
-        k = ks_ref[pl.ds(start, tile), :]
+        k = load_cols(ks_ref, (pl.ds(start, tile),), dk_parts)
         v = vs_ref[pl.ds(start, tile), :]
         keep = live & (pos >= first) & (pos < first + sel_block) & (pos <= t)
-        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot_parts(q, k) * scale_log2, MASK)
         return online_softmax_step(carry, s, v)
 
     first_block = split * blocks_per_split
@@ -221,12 +227,12 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
     def visit_ring(i, carry):
         first = i * block_win
         start, slot = _tile(first, block_win, ring_pad)
-        k = kw_ref[pl.ds(start, block_win), :]
+        k = load_cols(kw_ref, (pl.ds(start, block_win),), dk_parts)
         v = vw_ref[pl.ds(start, block_win), :]
         # >= 0 for real slots (s < ring): the modulo's argument is positive.
         token = t - lax.rem(t - slot + ring, jnp.int32(ring))
         keep = (slot >= first) & (slot < ring) & (token >= 0) & (token > t - window)
-        s = jnp.where(keep, dot(q, k, trans_b=True) * scale_log2, MASK)
+        s = jnp.where(keep, dot_parts(q, k) * scale_log2, MASK)
         return online_softmax_step(carry, s, v)
 
     first_tile = split * ring_tiles_per_split
@@ -351,13 +357,18 @@ def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
     return list(zip(outs[:n], outs[n:]))
 
 
-def _store_row(out_ref, token, row):
-    """Write token `[1, W]` at row `row` of out_ref `[S, W]`; nothing when row >= S."""
+def _store_row(out_ref, src_ref, src_col: int, row):
+    """Write columns `[src_col, src_col + W)` of src_ref's first row at row `row` of out_ref
+    `[S, W]`; nothing when row >= S. W goes in power-of-two column parts (`_row_parts`: 768 =
+    512 + 256 for the paper's G*d_k), each one vector load and store."""
     size, width = out_ref.shape
-    ok = jnp.broadcast_to(row < size, token.shape)
     # Every index int32 (a bare `:` would be int64 under jax_enable_x64).
-    view = out_ref.at[pl.ds(jnp.minimum(row, size - 1), 1), pl.ds(jnp.int32(0), width)]
-    pltriton.store(view, token.astype(out_ref.dtype), mask=ok)
+    at = jnp.minimum(row, size - 1)
+    for off, part in _row_parts(width):
+        token = src_ref[pl.ds(0, 1), pl.ds(src_col + off, part)]
+        view = out_ref.at[pl.ds(at, 1), pl.ds(jnp.int32(off), part)]
+        pltriton.store(view, token.astype(out_ref.dtype),
+                       mask=jnp.broadcast_to(row < size, token.shape))
 
 
 def _append_kernel(*refs, n: int):
@@ -366,7 +377,7 @@ def _append_kernel(*refs, n: int):
     [S, W] (the same buffers, written in place)."""
     idx_refs, tok_refs, out_refs = refs[:n], refs[n:2 * n], refs[3 * n:]
     for idx_ref, tok_ref, out_ref in zip(idx_refs, tok_refs, out_refs):
-        _store_row(out_ref, tok_ref[...], idx_ref[0])
+        _store_row(out_ref, tok_ref, 0, idx_ref[0])
 
 
 def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tuple):
@@ -377,17 +388,26 @@ def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tupl
     n = len(columns)
     idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
     for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
-        _store_row(out_ref, src_refs[s][pl.ds(0, 1), pl.ds(off, out_ref.shape[1])],
-                   idx_ref[j])
+        _store_row(out_ref, src_refs[s], off, idx_ref[j])
+
+
+def _row_parts(width: int) -> tuple:
+    """(offset, width) power-of-two parts >= 16 that a cache row of `width` = G*d columns is
+    written in: the row itself, or its two binary parts (`column_parts`); else
+    NotImplementedError (XLA's scatter writes it)."""
+    parts = column_parts(width) if width >= 16 else ()
+    if not parts or parts_width(parts) != width:
+        raise NotImplementedError(f"append_rows needs G*d a power of two >= 16 or the sum of "
+                                  f"two (768 = 512 + 256), got {width}")
+    return parts
 
 
 def _row_buffers(buffers):
-    """buffers `[B, S_i, G, d]` -> `[B, S_i, G*d]`, one vector store a row."""
+    """buffers `[B, S_i, G, d]` -> `[B, S_i, G*d]`, one row of column parts (`_row_parts`)."""
     flat = []
     for buf in buffers:
         width = buf.shape[2] * buf.shape[3]
-        if width != next_pow2(width) or width < 16:
-            raise NotImplementedError(f"append_rows needs G*d a power of two >= 16, got {width}")
+        _row_parts(width)
         flat.append(buf.reshape(buf.shape[0], buf.shape[1], width))
     return flat
 
@@ -409,8 +429,8 @@ def _append_call(kernel, buffers, flat, lead_specs, lead_args, interpret):
 def append_rows(buffers, tokens, index, *, interpret: bool = False):
     """The appends of a decode step in one kernel, in place: each `buffers[i] [B, S_i, G, d]`
     with `tokens[i] [B, G, d]` written at row `index[i] [B]` (int; `>= S_i`: not written).
-    G*d must be a power of two >= 16 for every buffer (the row is one vector store). Returns the
-    updated buffers (aliased to the inputs: donate them, or XLA copies them first)."""
+    G*d must be a power of two >= 16, or the sum of two, for every buffer (`_row_parts`).
+    Returns the updated buffers (aliased to the inputs: donate them, or XLA copies them first)."""
     n = len(buffers)
     if not (n == len(tokens) == len(index)) or n == 0:
         raise ValueError(f"append_rows takes as many tokens and indices as buffers (got {n}, "
@@ -472,7 +492,7 @@ def _query_rows(q, n_groups: int, dk_pad: int):
 
 def _cache(x, min_len: int, d_pad: int):
     """A `[B, S, G, d]` cache as the kernels read it: padded only where it must be (S shorter
-    than a tile, d not a power of two >= 16)."""
+    than a tile, d narrower than the width its column parts read)."""
     return pad_axis(pad_axis(x, 1, max(min_len, x.shape[1])), 3, d_pad)
 
 
@@ -549,7 +569,8 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
     B, H, dk = q.shape
     G, C, dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
     h = H // G
-    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
+    dk_parts = column_parts(dk, bs.split_dk)
+    dk_pad, dv_pad, h_pad = parts_width(dk_parts), matmul_dim(dv), matmul_dim(h)
     kc, vc = _cache(k_cmp, bs.block_cmp, dk_pad), _cache(v_cmp, bs.block_cmp, dv_pad)
     n_slots = kc.shape[1]
     n_cols = max(score_offset + n_slots, min_cols)
@@ -557,7 +578,8 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
     splits = bs.splits(B * G, n_tiles)
     kernel = functools.partial(_cmp_kernel, scale=float(scale), cmp_block=cmp_block,
                                cmp_stride=cmp_stride, block=bs.block_cmp, n_cmp=C,
-                               tiles_per_split=-(-n_tiles // splits), score_offset=score_offset)
+                               tiles_per_split=-(-n_tiles // splits), dk_parts=dk_parts,
+                               score_offset=score_offset)
     per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
                                            lambda b, g, i: (b, g) + (0,) * len(tail))
     per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731
@@ -671,7 +693,8 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
                                                 sel_block=sel_block, window=window, scale=scale)
     bs = _default_block_sizes(block_sizes, q, v_sel)
     h = H // G
-    dk_pad, dv_pad, h_pad = matmul_dim(dk), matmul_dim(dv), matmul_dim(h)
+    dk_parts = column_parts(dk, bs.split_dk)
+    dk_pad, dv_pad, h_pad = parts_width(dk_parts), matmul_dim(dv), matmul_dim(h)
     tile = matmul_dim(sel_block)
     ks, vs = _cache(k_sel, tile, dk_pad), _cache(v_sel, tile, dv_pad)
     kw, vw = _cache(k_win, bs.block_win, dk_pad), _cache(v_win, bs.block_win, dv_pad)
@@ -684,7 +707,8 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     kernel = functools.partial(_sel_win_kernel, scale=float(scale), sel_block=sel_block,
                                tile=tile, window=window, block_win=bs.block_win, ring=ring,
                                blocks_per_split=blocks_per_split,
-                               ring_tiles_per_split=-(-n_ring_tiles // splits))
+                               ring_tiles_per_split=-(-n_ring_tiles // splits),
+                               dk_parts=dk_parts)
     per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
                                            lambda b, g, i: (b, g) + (0,) * len(tail))
     per_split = lambda *tail: pl.BlockSpec((None, None, None, *tail),          # noqa: E731

@@ -1,6 +1,7 @@
 """Pallas decode kernels (`pallas_kernels.decode`) in interpret mode against their plain-JAX
 references and a NumPy brute force, the banded selection scores against the dense overlap
 matrix, and `decode_step(..., backend="pallas")` against the full layer at every position."""
+import dataclasses
 import functools
 
 import jax
@@ -76,6 +77,7 @@ SHAPES = [
     (2, 8, 2, 16, 16, 24, 100, 24, 8, 4, 16, 4, 24),
     (1, 4, 4, 32, 16, 70, 150, 70, 8, 4, 16, 5, 70),      # h = 1, d_k != d_v, 70 slots
     (2, 6, 2, 24, 8, 140, 600, 130, 32, 16, 64, 3, 100),  # h = 3, d_k 24 (padded), ring > w
+    (1, 4, 2, 48, 32, 70, 150, 70, 8, 4, 16, 5, 70),      # d_k 48 read as 32 + 16
 ]
 
 
@@ -335,19 +337,25 @@ def test_append_rows_writes_in_place_and_drops_out_of_range_rows():
 
     rng = np.random.default_rng(3)
     B, G = 3, 2
+    # Rows of 32 and 64 columns (one part each) and of 48 (32 + 16) and 384 = 256 + 128 (the
+    # paper's G*d_k is 768 = 512 + 256): two column parts.
     buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
-                    for S, d in ((40, 16), (8, 32), (5, 16)))
+                    for S, d in ((40, 16), (8, 32), (5, 16), (6, 24), (7, 192)))
     tokens = tuple(jnp.asarray(rng.standard_normal((B, G, b.shape[3])), jnp.float32)
                    for b in buffers)
     index = (jnp.asarray([0, 39, 40], jnp.int32), jnp.asarray([7, 3, 100], jnp.int32),
-             jnp.asarray([2, 4, 0], jnp.int32))
+             jnp.asarray([2, 4, 0], jnp.int32), jnp.asarray([5, 0, 6], jnp.int32),
+             jnp.asarray([6, 1, 3], jnp.int32))
     got = pallas_kernels.append_rows(buffers, tokens, index, interpret=True)
     for g, b, t, i in zip(got, buffers, tokens, index):
         want = put_rows(b, t[:, None], i[:, None])
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(NotImplementedError, match="power of two"):
-        pallas_kernels.append_rows((jnp.zeros((1, 4, 3, 16)),), (jnp.zeros((1, 3, 16)),),
-                                   (jnp.zeros((1,), jnp.int32),), interpret=True)
+    # 3 x 16 = 48 = 32 + 16 is written; 3 x 8 = 24 (a part under 16) and 3 x 40 = 120 (three
+    # binary parts) are declined, for XLA's scatter.
+    for d in (8, 40):
+        with pytest.raises(NotImplementedError, match="power of two"):
+            pallas_kernels.append_rows((jnp.zeros((1, 4, 3, d)),), (jnp.zeros((1, 3, d)),),
+                                       (jnp.zeros((1,), jnp.int32),), interpret=True)
 
 
 def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
@@ -359,12 +367,12 @@ def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
     rng = np.random.default_rng(4)
     B, G = 3, 2
     buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
-                    for S, d in ((40, 16), (8, 32), (5, 16)))
+                    for S, d in ((40, 16), (8, 32), (5, 16), (6, 24)))
     sources = (jnp.asarray(rng.standard_normal((B, 100)), jnp.float32),
                jnp.asarray(rng.standard_normal((B, 70)), jnp.bfloat16))
-    columns = ((0, 3), (1, 6), (0, 68))
+    columns = ((0, 3), (1, 6), (0, 68), (0, 50))
     index = jnp.asarray([[0, 7], [39, 3], [40, 100]], jnp.int32)
-    index_columns = (0, 1, 0)
+    index_columns = (0, 1, 0, 1)
     got = pallas_kernels.append_rows_packed(buffers, sources, columns, index, index_columns,
                                             interpret=True)
     tokens = tuple(sources[s][:, off:off + b.shape[2] * b.shape[3]].reshape(b.shape[0], G, -1)
@@ -376,8 +384,8 @@ def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(buffers[0], np.float32))
     with pytest.raises(ValueError, match="outside sources"):
-        pallas_kernels.append_rows_packed(buffers, sources, ((0, 90),) * 3, index, (0, 0, 0),
-                                          interpret=True)
+        pallas_kernels.append_rows_packed(buffers, sources, ((0, 90),) * 4, index,
+                                          (0, 0, 0, 0), interpret=True)
 
 
 @pytest.mark.slow
@@ -493,10 +501,30 @@ def test_decode_step_pallas_options_and_errors():
                             cmp_block=2, cmp_stride=1, scale=1.0, interpret=True)
 
 
+def test_split_dk_reads_the_same_scores_as_the_padded_keys():
+    """d_k 48 read in column parts (32 + 16, the caches unpadded) and padded to 64 (split_dk
+    off): the same outputs, lse and probabilities to float32 rounding, both kernels."""
+    B, H, G, dk, dv, C, L, ring = 2, 4, 2, 48, 16, 40, 100, 24
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32, seed=5)
+    idx = _block_idx(B, G, 3, 90, 16, seed=1)
+    outs = []
+    for split in (True, False):
+        bs = dataclasses.replace(SPLIT_3_WAYS, split_dk=split)
+        outs.append(D.decode_compressed(x["q"], x["k_cmp"], x["v_cmp"], 90, cmp_block=8,
+                                        cmp_stride=4, scale=0.3, interpret=True,
+                                        block_sizes=bs)
+                    + D.decode_selected_window(x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"],
+                                               x["v_win"], 90, sel_block=16, window=24,
+                                               scale=0.3, interpret=True, block_sizes=bs))
+    for got, want in zip(*outs):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_lowers_to_triton_on_any_host():
     """The decode kernels (with their split combines, the selection and its top-n, the appends)
     lower through the Pallas Triton lowering at the paper's decode sizes (B 32, 64k cache, not a
-    multiple of any tile; d_k 192 takes the padded path)."""
+    multiple of any tile; d_k 192 read as 128 + 64: no padded copy of a key cache, which
+    `split_dk=False` makes)."""
     import pallas_kernels
 
     shape = jax.ShapeDtypeStruct
@@ -504,16 +532,23 @@ def test_lowers_to_triton_on_any_host():
     B, H, G, dv, L, ring = 32, 64, 4, 128, 65600, 512
     C = (L - 32) // 16 + 1
     for dk in (128, 192):
-        def f(q, kc, vc, ks, vs, kw, vw, idx, t):
-            o, _, p = D.decode_compressed(q, kc, vc, t, cmp_block=32, cmp_stride=16, scale=0.1)
+        def f(q, kc, vc, ks, vs, kw, vw, idx, t, bs=None):
+            o, _, p = D.decode_compressed(q, kc, vc, t, cmp_block=32, cmp_stride=16, scale=0.1,
+                                          block_sizes=bs)
             return (o, p) + D.decode_selected_window(q, ks, vs, idx, kw, vw, t, sel_block=64,
-                                                     window=512, scale=0.1)
+                                                     window=512, scale=0.1, block_sizes=bs)
         args = (shape((B, H, dk), bf), shape((B, C, G, dk), bf), shape((B, C, G, dv), bf),
                 shape((B, L, G, dk), bf), shape((B, L, G, dv), bf), shape((B, ring, G, dk), bf),
                 shape((B, ring, G, dv), bf), shape((B, G, 16), jnp.int32),
                 shape((), jnp.int32))
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 4      # two kernels, each with its combine
+        assert f"{L}x4x256xbf16" not in text         # the selection cache's keys, padded
+        if dk == 192:
+            padded = jax.jit(functools.partial(
+                f, bs=D.DecodeBlockSizes(split_dk=False))).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert f"{L}x4x256xbf16" in padded
 
         def fused(q, kc, vc, t):
             return D.decode_compressed_select(q, kc, vc, t, cmp_block=32, cmp_stride=16,
