@@ -68,6 +68,7 @@ CPU smoke:     python bench/bench_decode.py --device cpu --B 2 --S_list 128 --d_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import os
@@ -152,7 +153,7 @@ def cache_bytes(cache) -> int:
     return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(cache))
 
 
-def branch_only_step(mode: str, backend: str = "xla"):
+def branch_only_step(mode: str, backend: str = "xla", options=None):
     """The decode step with only branch `mode`'s attention (cmp, sel, win) or none ("base"):
     `nsa_jax.decode.decode_step_branches`, as fn(params, x_t, cfg, cache) -> (y_t, cache,
     reads)."""
@@ -160,8 +161,21 @@ def branch_only_step(mode: str, backend: str = "xla"):
 
     if mode not in (*BRANCHES, "base"):
         raise ValueError(f"mode ({mode!r}) must be one of cmp, sel, win, base")
-    return functools.partial(decode_step_branches, backend=backend,
+    return functools.partial(decode_step_branches, backend=backend, options=options,
                              branches=() if mode == "base" else (mode,))
+
+
+def decode_options(args, dtype):
+    """The step's backend options: None, or with `--decode_set` the Pallas decode kernels' block
+    sizes of this device's architecture (`pallas_kernels.profiles`) with those fields replaced."""
+    if not args.decode_set:
+        return None
+    import nsa_jax
+    from pallas_kernels import profiles
+
+    blocks = profiles.block_sizes("decode", dtype, args.cfg.d_k, args.cfg.d_v)
+    return {"pallas": nsa_jax.PallasOptions(
+        decode_blocks=dataclasses.replace(blocks, **args.decode_set))}
 
 
 def steps_needed(args) -> int:
@@ -294,7 +308,8 @@ def own_selection(params, cfg, cache, xs, args, steps: int = 16):
     def run(cache, stacked):
         def body(cache, x_t):
             _, cache, _, aux = nsa_jax.decode_step(params, x_t, cfg, cache, backend=args.backend,
-                                                   return_aux=True)
+                                                   return_aux=True,
+                                                   options=decode_options(args, x_t.dtype))
             return cache, aux["block_idx"][:, 0]
 
         return lax.scan(body, cache, stacked)[1]
@@ -343,10 +358,11 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         fields = selection_fields(own_selection(params, cfg, fresh_cache(), xs, args))
     cache = fresh_cache()
     size_mb = common.mb(cache_bytes(cache))
+    options = decode_options(args, xs[0].dtype)
     full = _base(args, "nsa_jax", B, S, mode="full",
-                 impl=f"nsa_jax.decode_step ({args.backend})", cache_mb=size_mb,
-                 reads_formula=formula, reads_full=S + 1, **fields)
-    decode_step = functools.partial(nsa_jax.decode_step, backend=args.backend)
+                 impl=f"nsa_jax.decode_step ({args.backend}{_decode_set_label(args)})",
+                 cache_mb=size_mb, reads_formula=formula, reads_full=S + 1, **fields)
+    decode_step = functools.partial(nsa_jax.decode_step, backend=args.backend, options=options)
     try:
         timing, first_reads = _timed_decode(decode_step, params, cfg, cache, xs, args,
                                             block_idx)
@@ -370,7 +386,7 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         record = _base(args, "nsa_jax", B, S, mode=mode,
                        impl=f"nsa_jax decode ({args.backend}), {mode} only", cache_mb=size_mb)
         try:
-            step = branch_only_step(mode, args.backend)
+            step = branch_only_step(mode, args.backend, options)
             timing, _ = _timed_decode(step, params, cfg, fresh_cache(), xs, args, block_idx)
             timings[mode] = timing.ms
             record.update(status=OK, **timing.fields(), share_of_step=timing.ms / full["ms"])
@@ -642,6 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nsa_jax decode_step backend (default: pallas on gpu, xla on cpu)")
     p.add_argument("--no_breakdown", dest="breakdown", action="store_false",
                    help="skip the per-branch steps")
+    p.add_argument("--decode_set", default="",
+                   help="with --backend pallas: DecodeBlockSizes fields replaced in the "
+                        "architecture's, field=value,... (e.g. split_dk=False)")
     p.add_argument("--full_impls", default="auto",
                    help="full-attention baselines, comma list of fa3,cudnn,xla "
                         "(auto: fa3,cudnn on gpu, xla on cpu)")
@@ -657,6 +676,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_decode_set(text: str) -> dict:
+    """`field=value,...` -> {field: value}, each a field of `DecodeBlockSizes`."""
+    if not text.strip():
+        return {}
+    from pallas_kernels.decode import DecodeBlockSizes
+
+    known = {f.name for f in dataclasses.fields(DecodeBlockSizes)}
+    fields = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            raise ValueError(f"--decode_set: {item!r} must be field=value with a field of "
+                             f"DecodeBlockSizes ({sorted(known)})")
+        fields[key] = common.parse_literal(value)
+    return fields
+
+
+def _decode_set_label(args) -> str:
+    return "".join(f" {k}={v}" for k, v in args.decode_set.items())
+
+
 def parse_args(argv=None):
     args = common.finish_args(build_parser().parse_args(argv))
     workloads.check_workload_args(args)
@@ -669,6 +709,10 @@ def parse_args(argv=None):
     args.fa3_num_splits = common.parse_int_list(args.fa3_num_splits, "--fa3_num_splits")
     if args.backend is None:
         args.backend = "pallas" if args.device == "gpu" else "xla"
+    args.decode_set = _parse_decode_set(args.decode_set)
+    if args.decode_set and args.backend != "pallas":
+        raise ValueError("--decode_set sets the Pallas decode kernels' block sizes: it needs "
+                         "--backend pallas")
     if args.latest_csv == "auto":
         args.latest_csv = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         "decode_latest.csv") if args.device == "gpu" else "")

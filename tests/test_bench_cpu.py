@@ -245,6 +245,27 @@ def test_decode_full_step_pads_the_value_cache(cpu_env):
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
 
 
+def test_decode_set_reaches_the_pallas_decode_kernels(tmp_path, cpu_env):
+    """--decode_set replaces DecodeBlockSizes fields for the Pallas step (interpret mode on a
+    CPU): the row's impl names them and the step runs; a bad field or backend is refused."""
+    S = 40
+    code = bench_decode.main(TINY_NSA + ["--B", "1", "--S_list", str(S), "--d_model", "32",
+                                         "--H", "4", "--G", "2", "--dk", "24", "--dv", "16",
+                                         "--backend", "pallas", "--decode_set", "split_dk=False",
+                                         "--no_breakdown", "--iters", "1", "--warmup", "0",
+                                         "--repeats", "1", "--rotate", "1", "--loop_steps", "1",
+                                         "--csv", str(tmp_path / "d.csv")])
+    assert code == 0
+    rows = {r["row"]: r for r in _read(tmp_path / "d.csv")[1]}
+    assert rows["nsa_jax"]["status"] == "ok"
+    assert rows["nsa_jax"]["impl"] == "nsa_jax.decode_step (pallas split_dk=False)"
+    with pytest.raises(ValueError, match="field of DecodeBlockSizes"):
+        bench_decode.parse_args(["--device", "cpu", "--backend", "pallas",
+                                 "--decode_set", "split=1"])
+    with pytest.raises(ValueError, match="needs --backend pallas"):
+        bench_decode.parse_args(["--device", "cpu", "--decode_set", "split_dk=False"])
+
+
 def test_decode_rejects_bad_loop_steps():
     with pytest.raises(ValueError, match="loop_steps"):
         bench_decode.parse_args(["--device", "cpu", "--loop_steps", "0"])
