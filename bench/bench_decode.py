@@ -20,7 +20,11 @@ Per point (B, S):
                    in-place cache append, single-query attention over the S + 1 cached tokens, output
                    projection. impl: fa3 (flash_attn3_jax.flash_mha_with_kvcache; needs bf16/fp16
                    and d_k <= 128), cudnn (jax.nn.dot_product_attention with
-                   key_value_seq_lengths), xla (the same, XLA); with d_v < d_k the v cache holds
+                   key_value_seq_lengths), xla (the same, XLA), fa2 (the same step in torch,
+                   attention by torch's FlashAttention-2 kernel, SDPA's flash backend, over the
+                   live part of the cache; `--loop_steps` steps captured in one CUDA graph, as a
+                   torch server graphs its generation loop, the replay's time / loop_steps: the
+                   full attention an RTX 4090 or an A100 has); with d_v < d_k the v cache holds
                    d_k columns, zeros past d_v, since each takes d_v = d_k only. The same step
                    with q in place of the attention's output is timed too: its `attn_ms` is the
                    attention's own cost, and `attn_speedup` (on the NSA row) compares the two
@@ -89,7 +93,7 @@ COLUMNS = ["bench", "row", "impl", "mode", "B", "S", "dim", "H", "G", "dk", "dv"
            "reads_formula", "reads_full", "cache_mb", "speedup_vs_full", "baseline", "note",
            "device", "workload", "sel_shared", "sel_jaccard", "sel_tile_union", "attn_speedup"]
 BRANCHES = ("cmp", "sel", "win")
-FULL_IMPLS = ("fa3", "cudnn", "xla")
+FULL_IMPLS = ("fa3", "cudnn", "xla", "fa2")
 FORCED_GATE_LOGIT = 30.0  # sigmoid(30) = 1 - 1e-13, sigmoid(-30) = 1e-13
 
 
@@ -491,10 +495,133 @@ def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1, attention: 
     return step, params, xs, make_cache
 
 
+def torch_full_setup(args, B: int, S: int, device: str, *, attention: bool = True,
+                     backend: str = "flash", gqa: bool = True):
+    """(step(i, pos) -> y [B, 1, D], state) of `full_setup`'s layer step in torch: the QKV GEMM,
+    the token's K/V written in place at row `pos` of caches `[B, G, max_len, d]` (v padded to
+    d_k when d_v < d_k), SDPA over rows 0..pos on `backend` ("flash": torch's FlashAttention-2;
+    "math" on a CPU), the output GEMM. `pos` is a Python int, so the shapes of a captured step
+    are static. `gqa=False` expands K/V to H heads inside the step (for a backend that refuses
+    `enable_gqa`). `attention=False`: q's first d_v columns in place of the attention's output.
+    state holds the weights, inputs and caches (for tests)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
+             "float32": torch.float32}[args.dtype]
+    cfg = args.cfg
+    H, G, dk, dv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.d_model
+    h, dv_cache = H // G, max(dk, dv)
+    max_len = S + steps_needed(args) + 1
+    gen = torch.Generator().manual_seed(1)
+
+    def normal(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+    state = {"w_qkv": normal(D, H * dk + G * (dk + dv), scale=D ** -0.5),
+             "wo": normal(H * dv, D, scale=(H * dv) ** -0.5),
+             "xs": [normal(B, 1, D) for _ in range(args.rotate)],
+             "k_cache": normal(B, G, max_len, dk),
+             "v_cache": torch.zeros(B, G, max_len, dv_cache, device=device, dtype=dtype)}
+    state["v_cache"][..., :dv] = normal(B, G, max_len, dv)
+    kernel = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def step(i: int, pos: int):
+        x_t, kc, vc = state["xs"][i % len(state["xs"])], state["k_cache"], state["v_cache"]
+        q, k_new, v_new = (x_t @ state["w_qkv"]).split([H * dk, G * dk, G * dv], dim=-1)
+        q = q.view(B, 1, H, dk).transpose(1, 2)
+        kc[:, :, pos] = k_new.view(B, G, dk)
+        vc[:, :, pos, :dv] = v_new.view(B, G, dv)
+        if attention:
+            k, v = kc[:, :, :pos + 1], vc[:, :, :pos + 1]
+            if not gqa and h > 1:
+                k, v = k.repeat_interleave(h, dim=1), v.repeat_interleave(h, dim=1)
+            with sdpa_kernel(kernel):
+                o = F.scaled_dot_product_attention(q, k, v, scale=dk ** -0.5,
+                                                   enable_gqa=gqa and h > 1)
+            o = o[..., :dv]
+        else:
+            o = F.pad(q, (0, max(0, dv - dk)))[..., :dv]
+        return o.transpose(1, 2).reshape(B, 1, H * dv) @ state["wo"]
+
+    return step, state
+
+
+def _time_torch_graph(step, S: int, args) -> common.Timing:
+    """`--loop_steps` steps (positions S, S + 1, ...) captured in one CUDA graph; each replay
+    timed with CUDA events; the figure per step."""
+    import torch
+
+    n = args.loop_steps
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # kernels chosen and workspaces made before the capture
+        for i in range(2):
+            step(i, S + i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            step(i, S + i)
+    timing = common.time_torch(lambda i: graph.replay(), iters=1, warmup=max(1, args.warmup),
+                               repeats=args.repeats)
+    del graph
+    return common.Timing(ms=timing.ms / n, ms_min=timing.ms_min / n, ms_max=timing.ms_max / n,
+                         samples=timing.samples)
+
+
+def run_fa2_point(args, record: dict, B: int, S: int) -> dict:
+    """`full_fa2`: the torch step of `torch_full_setup` on FlashAttention-2, and without its
+    attention (attn_ms)."""
+    if args.device != "gpu":
+        raise Skip("torch's FlashAttention-2 kernel needs a GPU")
+    if args.dtype == "float32":
+        raise Skip("FlashAttention-2 takes bf16/fp16 only")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Skip("torch sees no CUDA device")
+    notes = ["RoPE not applied (elementwise; negligible)"]
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    if fraction:  # the cap a JAX run is under (e.g. a 24 GB card's), for torch's allocator too
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
+        notes.append(f"torch capped at {float(fraction):g} of the GPU's memory")
+    gqa = True
+    try:
+        step, state = torch_full_setup(args, B, S, "cuda")
+        step(0, S)
+    except RuntimeError:  # a kernel that refuses enable_gqa: K/V expanded, inside the timing
+        gqa = False
+        notes.append("K/V expanded to H heads in the step (enable_gqa refused)")
+        step, state = torch_full_setup(args, B, S, "cuda", gqa=False)
+    record["cache_mb"] = common.mb(state["k_cache"].nbytes + state["v_cache"].nbytes)
+    try:
+        timing = _time_torch_graph(step, S, args)
+    except Exception as exc:  # noqa: BLE001 - a row's failure is reported, not raised
+        record.update(status=common.classify_exception(exc), note=common.short_error(exc))
+        return record
+    del step, state
+    record.update(status=OK, impl="torch SDPA[flash] (FlashAttention-2), CUDA graph",
+                  **timing.fields())
+    base_step, _ = torch_full_setup(args, B, S, "cuda", attention=False)
+    try:
+        base = _time_torch_graph(base_step, S, args)
+        record["attn_ms"] = max(0.0, timing.ms - base.ms)
+        notes.append(f"the step without attention {base.ms:.4g} ms")
+    except Exception as exc:  # noqa: BLE001
+        notes.append(f"the step without attention failed: {common.short_error(exc)}")
+    record["note"] = "; ".join(notes)
+    torch.cuda.empty_cache()
+    return record
+
+
 def run_full_point(args, impl: str, B: int, S: int) -> dict:
     """A full-attention layer step at context S (see the module docstring and `full_setup`)."""
     record = _base(args, f"full_{impl}", B, S, mode="full", reads_full=S + 1, reads_actual=S + 1,
                    l="", d="", l_sel="", n_sel="", w="")
+    if impl == "fa2":
+        return run_fa2_point(args, record, B, S)
     splits = args.fa3_num_splits if impl == "fa3" else [1]
     best: Optional[tuple] = None
     errors = []
@@ -662,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --backend pallas: DecodeBlockSizes fields replaced in the "
                         "architecture's, field=value,... (e.g. split_dk=False)")
     p.add_argument("--full_impls", default="auto",
-                   help="full-attention baselines, comma list of fa3,cudnn,xla "
+                   help="full-attention baselines, comma list of fa3,cudnn,xla,fa2 "
                         "(auto: fa3,cudnn on gpu, xla on cpu)")
     p.add_argument("--fa3_num_splits", default="1,4,16",
                    help="FA3 split-KV counts tried; the fastest is reported")

@@ -245,6 +245,47 @@ def test_decode_full_step_pads_the_value_cache(cpu_env):
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("gqa", [True, False])
+def test_decode_torch_full_step_matches_float64(gqa):
+    """The FA-2 baseline's torch step (here on SDPA's math backend, float32, CPU) with d_v < d_k:
+    the token's K/V land at row pos, v's cache stays zero past d_v, and y equals a float64
+    computation of attention over rows 0..pos; GQA by enable_gqa or by expanded K/V alike."""
+    import torch
+
+    args = bench_decode.parse_args(TINY_NSA + ["--d_model", "32", "--H", "4", "--G", "2",
+                                               "--dk", "16", "--dv", "8", "--rotate", "2"])
+    B, S, H, G, dk, dv = 2, 24, 4, 2, 16, 8
+    step, st = bench_decode.torch_full_setup(args, B, S, "cpu", backend="math", gqa=gqa)
+    for i, pos in enumerate((S, S + 1)):
+        y = step(i, pos)
+        x = st["xs"][i % 2].double()
+        q, k_new, v_new = (x @ st["w_qkv"].double()).split([H * dk, G * dk, G * dv], dim=-1)
+        kc, vc = st["k_cache"].double(), st["v_cache"].double()
+        torch.testing.assert_close(kc[:, :, pos], k_new.view(B, G, dk), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[:, :, pos, :dv], v_new.view(B, G, dv), rtol=1e-5,
+                                   atol=1e-5)
+        assert not vc[..., dv:].any()
+        k = kc[:, :, :pos + 1].repeat_interleave(H // G, dim=1)
+        v = vc[:, :, :pos + 1, :dv].repeat_interleave(H // G, dim=1)
+        p = torch.softmax(torch.einsum("bhd,bhsd->bhs", q.view(B, H, dk), k) / dk ** 0.5, -1)
+        want = torch.einsum("bhs,bhsd->bhd", p, v).reshape(B, 1, H * dv) @ st["wo"].double()
+        torch.testing.assert_close(y.double(), want, rtol=2e-5, atol=2e-5)
+    y0 = bench_decode.torch_full_setup(args, B, S, "cpu", attention=False)[0](0, S)
+    assert y0.shape == (B, 1, 32)
+
+
+def test_decode_fa2_row_skips_on_cpu(tmp_path, cpu_env):
+    code = bench_decode.main(TINY_NSA + ["--B", "1", "--S_list", "40", "--full_impls", "xla,fa2",
+                                         "--no_breakdown", "--warmup", "0", "--repeats", "1",
+                                         "--rotate", "1", "--loop_steps", "1",
+                                         "--csv", str(tmp_path / "d.csv")])
+    assert code == 0
+    rows = {r["row"]: r for r in _read(tmp_path / "d.csv")[1]}
+    assert rows["full_fa2"]["status"] == "skipped"
+    assert "FlashAttention-2" in rows["full_fa2"]["note"]
+    assert rows["full_xla"]["status"] == "ok"
+
+
 def test_decode_set_reaches_the_pallas_decode_kernels(tmp_path, cpu_env):
     """--decode_set replaces DecodeBlockSizes fields for the Pallas step (interpret mode on a
     CPU): the row's impl names them and the step runs; a bad field or backend is refused."""
