@@ -250,7 +250,7 @@ def test_decode_torch_full_step_matches_float64(gqa):
     """The FA-2 baseline's torch step (here on SDPA's math backend, float32, CPU) with d_v < d_k:
     the token's K/V land at row pos, v's cache stays zero past d_v, and y equals a float64
     computation of attention over rows 0..pos; GQA by enable_gqa or by expanded K/V alike."""
-    import torch
+    torch = pytest.importorskip("torch")
 
     args = bench_decode.parse_args(TINY_NSA + ["--d_model", "32", "--H", "4", "--G", "2",
                                                "--dk", "16", "--dv", "8", "--rotate", "2"])
