@@ -495,21 +495,19 @@ def full_setup(args, impl: str, B: int, S: int, num_splits: int = 1, attention: 
     return step, params, xs, make_cache
 
 
-def torch_full_setup(args, B: int, S: int, device: str, *, attention: bool = True,
-                     backend: str = "flash", gqa: bool = True):
+def torch_full_setup(args, B: int, S: int, *, attention: bool = True, backend: str = "flash",
+                     gqa: bool = True):
     """(step(i, pos) -> y [B, 1, D], state) of `full_setup`'s layer step in torch: the QKV GEMM,
     the token's K/V written in place at row `pos` of caches `[B, G, max_len, d]` (v padded to
-    d_k when d_v < d_k), SDPA over rows 0..pos on `backend` ("flash": torch's FlashAttention-2;
+    d_k when d_v < d_k), on `--device` in `--dtype`, SDPA over rows 0..pos on `backend` ("flash": torch's FlashAttention-2;
     "math" on a CPU), the output GEMM. `pos` is a Python int, so the shapes of a captured step
     are static. `gqa=False` expands K/V to H heads inside the step (for a backend that refuses
     `enable_gqa`). `attention=False`: q's first d_v columns in place of the attention's output.
     state holds the weights, inputs and caches (for tests)."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
-             "float32": torch.float32}[args.dtype]
+    torch, device, dtype = common.torch_device(args)
     cfg = args.cfg
     H, G, dk, dv, D = cfg.n_heads, cfg.n_kv_heads, cfg.d_k, cfg.d_v, cfg.d_model
     h, dv_cache = H // G, max(dk, dv)
@@ -578,10 +576,7 @@ def run_fa2_point(args, record: dict, B: int, S: int) -> dict:
         raise Skip("torch's FlashAttention-2 kernel needs a GPU")
     if args.dtype == "float32":
         raise Skip("FlashAttention-2 takes bf16/fp16 only")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise Skip("torch sees no CUDA device")
+    torch = common.torch_device(args)[0]   # Skip where torch sees no CUDA device
     notes = ["RoPE not applied (elementwise; negligible)"]
     fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
     if fraction:  # the cap a JAX run is under (e.g. a 24 GB card's), for torch's allocator too
@@ -589,12 +584,12 @@ def run_fa2_point(args, record: dict, B: int, S: int) -> dict:
         notes.append(f"torch capped at {float(fraction):g} of the GPU's memory")
     gqa = True
     try:
-        step, state = torch_full_setup(args, B, S, "cuda")
+        step, state = torch_full_setup(args, B, S)
         step(0, S)
     except RuntimeError:  # a kernel that refuses enable_gqa: K/V expanded, inside the timing
         gqa = False
         notes.append("K/V expanded to H heads in the step (enable_gqa refused)")
-        step, state = torch_full_setup(args, B, S, "cuda", gqa=False)
+        step, state = torch_full_setup(args, B, S, gqa=False)
     record["cache_mb"] = common.mb(state["k_cache"].nbytes + state["v_cache"].nbytes)
     try:
         timing = _time_torch_graph(step, S, args)
@@ -604,7 +599,7 @@ def run_fa2_point(args, record: dict, B: int, S: int) -> dict:
     del step, state
     record.update(status=OK, impl="torch SDPA[flash] (FlashAttention-2), CUDA graph",
                   **timing.fields())
-    base_step, _ = torch_full_setup(args, B, S, "cuda", attention=False)
+    base_step, _ = torch_full_setup(args, B, S, attention=False)
     try:
         base = _time_torch_graph(base_step, S, args)
         record["attn_ms"] = max(0.0, timing.ms - base.ms)
@@ -809,15 +804,9 @@ def _parse_decode_set(text: str) -> dict:
         return {}
     from pallas_kernels.decode import DecodeBlockSizes
 
-    known = {f.name for f in dataclasses.fields(DecodeBlockSizes)}
-    fields = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or key not in known:
-            raise ValueError(f"--decode_set: {item!r} must be field=value with a field of "
-                             f"DecodeBlockSizes ({sorted(known)})")
-        fields[key] = common.parse_literal(value)
-    return fields
+    return common.parse_assignments(text, "--decode_set",
+                                    {f.name for f in dataclasses.fields(DecodeBlockSizes)},
+                                    "DecodeBlockSizes")
 
 
 def _decode_set_label(args) -> str:

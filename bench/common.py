@@ -156,6 +156,19 @@ def parse_literal(value: str):
     return value
 
 
+def parse_assignments(text: Optional[str], option: str, known=None, owner: str = "") -> dict:
+    """`field=value,...` -> {field: `parse_literal(value)`}; a ValueError names `option` and the
+    item, and with `known` (the field names of `owner`) any other field."""
+    fields = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value or (known is not None and key not in known):
+            where = f" with a field of {owner} ({sorted(known)})" if known is not None else ""
+            raise ValueError(f"{option}: {item!r} must be field=value{where}")
+        fields[key] = parse_literal(value)
+    return fields
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared flags: the NSA settings (a preset, then per-field overrides) and the run settings
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.common import parse_literal  # noqa: E402
+from bench.common import parse_assignments  # noqa: E402
 from nsa_common.layout import num_admissible_cmp_blocks  # noqa: E402
 from pallas_kernels import profiles  # noqa: E402
 
@@ -90,13 +90,7 @@ print(json.dumps(dict(
 
 def parse_sets(text: str | None) -> dict:
     """`field=value,...` -> {field: int | bool | str}."""
-    fields = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise ValueError(f"--set: {item!r} must be field=value")
-        fields[key] = parse_literal(value)
-    return fields
+    return parse_assignments(text, "--set")
 
 
 def block_sizes(kernel: str, arch: str, d_k: int, d_v: int, fields: dict, dtype: str):

@@ -63,6 +63,15 @@ def x64():
         yield
 
 
+def skip_above_cudnn_head_dim(d_k: int) -> None:
+    """Skip a cuDNN test whose head size the architecture profile's cuDNN does not take (the
+    sm89 profile's limit is 128, as an RTX 4090's)."""
+    from nsa_jax.xla import cudnn
+
+    if d_k > cudnn.max_head_dim():
+        pytest.skip(f"cuDNN takes head sizes up to {cudnn.max_head_dim()} on this profile")
+
+
 def jax_has_gpu() -> bool:
     """Whether JAX sees a CUDA GPU (GPU-only tests skip cleanly otherwise)."""
     import jax

@@ -255,7 +255,7 @@ def test_decode_torch_full_step_matches_float64(gqa):
     args = bench_decode.parse_args(TINY_NSA + ["--d_model", "32", "--H", "4", "--G", "2",
                                                "--dk", "16", "--dv", "8", "--rotate", "2"])
     B, S, H, G, dk, dv = 2, 24, 4, 2, 16, 8
-    step, st = bench_decode.torch_full_setup(args, B, S, "cpu", backend="math", gqa=gqa)
+    step, st = bench_decode.torch_full_setup(args, B, S, backend="math", gqa=gqa)
     for i, pos in enumerate((S, S + 1)):
         y = step(i, pos)
         x = st["xs"][i % 2].double()
@@ -270,7 +270,7 @@ def test_decode_torch_full_step_matches_float64(gqa):
         p = torch.softmax(torch.einsum("bhd,bhsd->bhs", q.view(B, H, dk), k) / dk ** 0.5, -1)
         want = torch.einsum("bhs,bhsd->bhd", p, v).reshape(B, 1, H * dv) @ st["wo"].double()
         torch.testing.assert_close(y.double(), want, rtol=2e-5, atol=2e-5)
-    y0 = bench_decode.torch_full_setup(args, B, S, "cpu", attention=False)[0](0, S)
+    y0 = bench_decode.torch_full_setup(args, B, S, attention=False)[0](0, S)
     assert y0.shape == (B, 1, 32)
 
 

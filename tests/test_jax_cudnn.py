@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bruteforce import bf_compressed_attention
-from conftest import jax_has_gpu
+from conftest import jax_has_gpu, skip_above_cudnn_head_dim
 from nsa_common import NSAConfig, num_cmp_blocks
 from nsa_common.testing import rel_err
 from nsa_jax import XlaOptions
@@ -141,8 +141,7 @@ def test_gpu_cudnn_compressed_matches_pallas_kernel(d_k, d_v):
     """cuDNN (folded) against the Pallas kernel on the layer's shapes, o / lse / gradients, bf16."""
     from pallas_kernels import compressed_attention as pallas_compressed_attention
 
-    if d_k > cudnn.max_head_dim():
-        pytest.skip(f"cuDNN takes head sizes up to {cudnn.max_head_dim()} on this profile")
+    skip_above_cudnn_head_dim(d_k)
     cfg = NSAConfig.tiny().replace(cmp_block=32, cmp_stride=16, sel_block=64)
     B, T, H, G = 1, 4096, 16, 2
     q, k_cmp, v_cmp = inputs(5, B, T, H, G, d_k, d_v, cfg, jnp.bfloat16)

@@ -13,7 +13,7 @@ from jax.test_util import check_grads
 
 import bruteforce
 import nsa_jax
-from conftest import jax_has_gpu
+from conftest import jax_has_gpu, skip_above_cudnn_head_dim
 from bruteforce import (bf_compress, bf_compressed_attention, bf_select_blocks,
                         bf_selected_attention, bf_sliding_window_attention)
 from nsa_common import NSAConfig, num_cmp_blocks, overlap_weights
@@ -351,12 +351,10 @@ def test_dispatch_registration_and_fallback(monkeypatch):
 def test_gpu_window_cudnn_matches_banded_path(d_k, d_v):
     """The cuDNN window path (v zero-padded when d_v < d_k; head sizes up to 256 on Hopper)
     against the exact banded XLA path, forward and gradients, bf16."""
-    from nsa_jax.xla import cudnn
     from nsa_jax.xla.options import XlaOptions
     from nsa_jax.xla.sliding_window import _cudnn_applies, sliding_window_attention
 
-    if d_k > cudnn.max_head_dim():
-        pytest.skip(f"cuDNN takes head sizes up to {cudnn.max_head_dim()} on this profile")
+    skip_above_cudnn_head_dim(d_k)
     B, T, H, G, w = 1, 2048, 8, 2, 512
     keys = jax.random.split(jax.random.PRNGKey(3), 4)
     q = jax.random.normal(keys[0], (B, T, H, d_k), jnp.bfloat16)
