@@ -83,14 +83,25 @@ class Vocab:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
+    """`n_pairs` key / value pairs in the filler, `n_queries` of them asked at the end.
+    `slots`: query slots reserved at the end (0: `n_queries`); the asked queries take the last
+    ones and the slots before them hold filler, so that sequences with different numbers of
+    pairs share one format (`examples/recall_benchmark.py` mixes 1, 4 and 16)."""
+
     name: str
     n_pairs: int
     n_queries: int
+    slots: int = 0
 
     @property
     def tail(self) -> int:
-        """Tokens of the query segment `k v k v ...` at the end of the sequence."""
+        """Tokens of the asked query segment `k v k v ...` at the end of the sequence."""
         return 2 * self.n_queries
+
+    @property
+    def reserved(self) -> int:
+        """Tokens at the end kept free of pairs: the query slots."""
+        return 2 * max(self.n_queries, self.slots)
 
 
 def make_tasks(mqar_pairs: int) -> dict[str, Task]:
@@ -104,7 +115,7 @@ def pair_region(task: Task, T: int, cfg: NSAConfig) -> tuple[int, int]:
     the first query and outside the query's forced local blocks, so that only a correct
     selection (or the compressed branch) can reach it.
     """
-    first_query = T - task.tail
+    first_query = T - task.reserved
     lo = cfg.n_init * cfg.sel_block
     hi = min(first_query - cfg.window - 1,
              (first_query // cfg.sel_block - cfg.n_local + 1) * cfg.sel_block)
@@ -553,12 +564,14 @@ def pooled_ranking(attn: dict, a: jax.Array, q_pos: np.ndarray, key_pos: jax.Arr
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("mc", "task"))
-def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -> dict:
+@functools.partial(jax.jit, static_argnames=("mc", "task", "probe"))
+def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task,
+             probe: bool = True) -> dict:
     """Loss and accuracy at the query keys, and per NSA layer i at those positions: `l{i}_gate_c`
     (mean gate of branch c), `l{i}_hit` (fraction of (query, KV group) whose selected blocks
     contain the queried key's block), `l{i}_cmp_mass` and its uniform baseline; per layer of
-    the full model `pooled_ranking`'s probe (`l{i}_key_mass`, `l{i}_pool_hit`, ...)."""
+    the full model, with `probe`, `pooled_ranking`'s probe (`l{i}_key_mass`, `l{i}_pool_hit`,
+    ...)."""
     T = tokens.shape[1]
     q_pos = np.arange(T - task.tail, T, 2)
     h, layers = forward(params, tokens, mc, collect=True)
@@ -567,9 +580,9 @@ def evaluate(params, tokens, answers, key_pos, *, mc: ModelConfig, task: Task) -
     out = {"loss": nll.mean(), "acc": (jnp.argmax(logits, -1) == answers).mean()}
     cfg = mc.nsa
     for i, (a, aux) in enumerate(layers):
-        if mc.attention == "full":
-            probe = pooled_ranking(params["blocks"][i]["attn"], a, q_pos, key_pos, cfg)
-            out.update({f"l{i}_{k}": v for k, v in probe.items()})
+        if mc.attention == "full" and probe:
+            ranking = pooled_ranking(params["blocks"][i]["attn"], a, q_pos, key_pos, cfg)
+            out.update({f"l{i}_{k}": v for k, v in ranking.items()})
         if aux is None:
             continue
         gates = aux["gates"][:, q_pos]                                      # [B, Q, H, 3]

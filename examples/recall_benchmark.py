@@ -1,0 +1,491 @@
+"""A recall benchmark: NSA against full and window attention on needle and MQAR at T 2048.
+
+    PYTHONPATH=. python examples/recall_benchmark.py --out /tmp/rb                  # every model, seeds 1-5
+    PYTHONPATH=. python examples/recall_benchmark.py --models full --seeds 1 --out /tmp/rb
+    PYTHONPATH=. python examples/recall_benchmark.py --report_only --out /tmp/rb   # tables, plots again
+    PYTHONPATH=. python examples/recall_benchmark.py --preset cpu --steps 300 --seeds 1 --out /tmp/rb
+
+One model per (model, seed) is trained on associative recall whose sequences hold 1, 4 or 16
+key / value pairs (`--pairs`, drawn per sequence; every pair of a sequence is asked at the end
+in random order, so the needle is the one-pair case), then evaluated on each count separately
+at the full length: `needle`, `mqar4`, `mqar16`. Sequences share one format: the last
+2 x max(pairs) tokens are query slots, the asked queries take the last of them and filler the
+rest, and every key lies beyond the window and NSA's forced blocks of every slot.
+
+Models (`MODELS`): `full` (causal attention), `window` (NSA's sliding window alone), `nsa`
+(the library's defaults), `nsa_aligned` (the selection-alignment recipe of docs/API.md: a dense
+warm-up for `--dense_frac` of the steps, then sparse, `--kl_weight` x the layers' mean
+`nsa_jax.selection_alignment_loss` throughout), and `nsa_warmup` (the warm-up without the loss,
+its ablation). Every model of a seed starts from the same draw (`train_recall.init_model`,
+paired) and sees the same batches.
+
+The loss is the mean over sequences of the mean cross-entropy of their answers. The curriculum
+(`--curriculum`, as train_recall's) trains short sequences first with `--tokens_per_step`
+tokens per step (batch = tokens / T), so most steps are cheap.
+
+Runs go to `--jobs` worker processes at a time (on a GPU host spread over its GPUs, each
+process holding its share of GPU memory); each writes `<out>/<model>_s<seed>/` (`curves.csv`,
+`run.json`, `log.txt`). Then the report: `results.md` (accuracy per model and task, mean and
+range over seeds, and per seed), `summary.csv` (a row per run) and `curves.png` (accuracy per
+task, alignment KL and selection hit rate against steps).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import functools
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (attention, alignment recipe: None, "kl" (warm-up + loss) or "warmup" (warm-up only))
+MODELS = {"full": ("full", None), "window": ("window", None), "nsa": ("nsa", None),
+          "nsa_aligned": ("nsa", "kl"), "nsa_warmup": ("nsa", "warmup")}
+DEFAULT_MODELS = "full,window,nsa,nsa_aligned"
+TASK_NAMES = {1: "needle"}
+
+# The benchmark's training schedule on top of train_recall's presets (its sizes and lr).
+SCHEDULES = {
+    "gpu": dict(steps=3000, curriculum="256:1200,512:1800,1024:2400", tokens_per_step=32768,
+                eval_every=250, eval_batch=128),
+    "cpu": dict(steps=600, curriculum="128:300", tokens_per_step=4096, eval_every=100,
+                eval_batch=64),
+    "smoke": dict(steps=6, curriculum="", tokens_per_step=512, eval_every=3, eval_batch=8),
+}
+
+
+def task_name(pairs: int) -> str:
+    return TASK_NAMES.get(pairs, f"mqar{pairs}")
+
+
+def parse_pairs(text: str) -> tuple[int, ...]:
+    try:
+        pairs = tuple(sorted({int(p) for p in text.split(",") if p.strip()}))
+    except ValueError:
+        pairs = ()
+    if not pairs or pairs[0] < 1:
+        raise ValueError(f"--pairs ({text!r}) must be a comma list of positive pair counts")
+    return pairs
+
+
+def parse_seeds(text: str) -> list[int]:
+    """"1-5" or "1,3,7" -> seeds."""
+    seeds: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            seeds += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise ValueError(f"--seeds ({text!r}) must be like 1-5 or 1,3,7")
+    return seeds
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma list of {list(MODELS)}")
+    parser.add_argument("--seeds", default="1-5", help="e.g. 1-5 or 1,3,7")
+    parser.add_argument("--pairs", default="1,4,16",
+                        help="pair counts drawn per training sequence and evaluated one by one")
+    parser.add_argument("--tokens_per_step", type=int, default=None,
+                        help="tokens per training step: batch = tokens / T (schedule's value)")
+    parser.add_argument("--dense_frac", type=float, default=0.3,
+                        help="nsa_aligned / nsa_warmup: share of the steps in the dense warm-up")
+    parser.add_argument("--kl_weight", type=float, default=1.0)
+    parser.add_argument("--kl_mode", choices=("dense", "sparse"), default="dense",
+                        help="nsa_aligned: the sparse stage's target (docs/API.md)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--gpus", default=None,
+                        help="comma list of GPU ids the jobs spread over (default: every GPU "
+                             "nvidia-smi lists; none: the workers share the default device)")
+    parser.add_argument("--report_only", action="store_true",
+                        help="only the report from the runs already in --out")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # a worker: model:seed
+    args, rest = parser.parse_known_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs ({args.jobs}) must be >= 1")
+    if not 0.0 <= args.dense_frac <= 1.0:
+        parser.error(f"--dense_frac ({args.dense_frac}) must lie in [0, 1]")
+    try:
+        args.pairs = parse_pairs(args.pairs)
+        args.seed_list = parse_seeds(args.seeds)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.model_list = [m for m in args.models.split(",") if m]
+    for m in args.model_list:
+        if m not in MODELS:
+            parser.error(f"--models: {m!r} is not one of {list(MODELS)}")
+    preset = "gpu"
+    if "--preset" in rest:
+        preset = rest[rest.index("--preset") + 1]
+    schedule = dict(SCHEDULES.get(preset, SCHEDULES["gpu"]))
+    given = {a.lstrip("-").split("=")[0] for a in rest if a.startswith("--")}
+    extra = [x for k, v in schedule.items() if k != "tokens_per_step" and k not in given
+             for x in (f"--{k}", str(v))]
+    if args.tokens_per_step is None:
+        args.tokens_per_step = schedule["tokens_per_step"]
+    args.passthrough = rest
+    return args, rest + extra
+
+
+def recall_args(rest: list[str], out: str):
+    """train_recall's arguments (sizes, lr, steps, curriculum, eval settings) for one run."""
+    from examples import train_recall
+
+    return train_recall.parse_args(["--out", out, "--models", "full", "--tasks", "needle",
+                                    "--gen_tokens", "0"] + rest)
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+def mixed_batch(rng, pairs, vocab, B: int, T: int, cfg, slots: int) -> dict:
+    """B sequences, each with a pair count drawn from `pairs`, in the shared format: tokens
+    `[B, T]`, answers / key_pos `[B, slots]` (-1 where a slot holds filler)."""
+    import numpy as np
+
+    from examples import train_recall
+
+    counts = rng.choice(np.asarray(pairs), size=B)
+    tokens = np.empty((B, T), np.int32)
+    answers = np.full((B, slots), -1, np.int32)
+    key_pos = np.full((B, slots), -1, np.int32)
+    for p in pairs:
+        rows = np.flatnonzero(counts == p)
+        if rows.size == 0:
+            continue
+        task = train_recall.Task(task_name(p), p, p, slots)
+        part = train_recall.make_batch(rng, task, vocab, rows.size, T, cfg)
+        tokens[rows] = part["tokens"]
+        answers[rows, slots - p:] = part["answers"]
+        key_pos[rows, slots - p:] = part["key_pos"]
+    return dict(tokens=tokens, answers=answers, key_pos=key_pos)
+
+
+def mixed_loss(params, tokens, answers, kl_weight, *, mc, slots, alignment):
+    """Mean over sequences of the mean cross-entropy over their answers (slots with answer -1
+    hold filler), plus kl_weight x the layers' mean alignment loss when `alignment` is given.
+    -> (loss, (task loss, KL, accuracy over the answers))."""
+    import jax
+    import jax.numpy as jnp
+
+    import nsa_jax
+    from examples import train_recall
+
+    h, layers = train_recall.forward(params, tokens, mc, collect=True)
+    T = tokens.shape[1]
+    logits = train_recall.logits_at(params, h[:, T - 2 * slots::2]).astype(jnp.float32)
+    valid = answers >= 0
+    logp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(logp, jnp.maximum(answers, 0)[..., None], axis=-1)[..., 0]
+    per_row = jnp.sum(nll * valid, -1) / jnp.maximum(jnp.sum(valid, -1), 1)
+    task_loss = per_row.mean()
+    correct = (jnp.argmax(logits, -1) == answers) & valid
+    accuracy = correct.sum() / jnp.maximum(valid.sum(), 1)
+    kl = jnp.zeros((), jnp.float32)
+    if alignment is not None:
+        sparse = alignment.mode == "sparse"
+        kl = jnp.mean(jnp.stack([
+            nsa_jax.selection_alignment_loss(block["attn"], a, mc.nsa, alignment=alignment,
+                                             backend=mc.backend,
+                                             block_idx=aux["block_idx"] if sparse else None)
+            for block, (a, aux) in zip(params["blocks"], layers)]))
+    return task_loss + kl_weight * kl, (task_loss, kl, accuracy)
+
+
+@functools.lru_cache(maxsize=None)
+def _train_step():
+    import jax
+
+    from examples import train_recall
+
+    @functools.partial(jax.jit, static_argnames=("mc", "slots", "alignment"))
+    def step(params, opt_state, tokens, answers, lr, kl_weight, *, mc, slots, alignment):
+        (_, stats), grads = jax.value_and_grad(mixed_loss, has_aux=True)(
+            params, tokens, answers, kl_weight, mc=mc, slots=slots, alignment=alignment)
+        updates, opt_state = train_recall.OPTIMIZER.update(grads, opt_state, params)
+        params = jax.tree_util.tree_map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, stats
+    return step
+
+
+def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
+    """Train `model` with `seed`; write curves.csv and run.json into `out`. -> the run's
+    summary (final accuracy per task, KL, hit rates, time)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nsa_jax
+    from bench import common
+    from examples import train_recall
+
+    os.makedirs(out, exist_ok=True)
+    rargs = recall_args(rest, out)
+    attention, recipe = MODELS[model]
+    rargs.models = attention
+    (run,), vocab = train_recall.build_runs(rargs)
+    mc = run.mc
+    slots = max(args.pairs)
+    vocab = dataclasses.replace(vocab, n_keys=max(vocab.n_keys, slots))
+    variant = dataclasses.replace(run.variant, dense_init=True)
+    params = train_recall.init_model(jax.random.PRNGKey(seed), mc, variant)
+    opt_state = train_recall.OPTIMIZER.init(params)
+    stages = train_recall.parse_curriculum(rargs.curriculum, rargs.steps)
+    dense_steps = int(round(args.dense_frac * rargs.steps)) if recipe else 0
+    data_rng = np.random.default_rng(seed)
+    evals = {}
+    for p in args.pairs:
+        task = train_recall.Task(task_name(p), p, p, slots)
+        batch = train_recall.make_batch(np.random.default_rng(10_000 + 100 * seed + p), task,
+                                        vocab, rargs.eval_batch, rargs.T, mc.nsa)
+        evals[task] = [jnp.asarray(batch[k]) for k in ("tokens", "answers", "key_pos")]
+    step_fn = _train_step()
+    rows, t_begin, train_s, compile_s, timed = [], time.perf_counter(), 0.0, 0.0, 0
+    losses, kls, accs, prev_key = [], [], [], None
+    for step in range(rargs.steps):
+        T = train_recall.length_at(step, stages, rargs.T)
+        dense = step < dense_steps
+        stage_mc = (dataclasses.replace(mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T))
+                    if dense else mc)
+        alignment = (nsa_jax.AlignmentOptions(mode="dense" if dense else args.kl_mode)
+                     if recipe == "kl" else None)
+        B = max(1, args.tokens_per_step // T)
+        batch = mixed_batch(data_rng, args.pairs, vocab, B, T, mc.nsa, slots)
+        lr = train_recall.learning_rate(step, rargs.lr, rargs.warmup, rargs.steps)
+        key = (T, dense)
+        t0 = time.perf_counter()
+        params, opt_state, (loss, kl, acc) = step_fn(
+            params, opt_state, batch["tokens"], batch["answers"], jnp.float32(lr),
+            jnp.float32(args.kl_weight), mc=stage_mc, slots=slots, alignment=alignment)
+        if key != prev_key:  # a new shape or stage compiles: kept out of the training time
+            loss.block_until_ready()
+            compile_s += time.perf_counter() - t0
+            prev_key = key
+        else:
+            train_s += time.perf_counter() - t0
+            timed += 1
+        losses.append(loss)
+        kls.append(kl)
+        accs.append(acc)
+        last = step + 1 == rargs.steps or time.perf_counter() - t_begin > rargs.budget_s
+        if (step + 1) % rargs.eval_every == 0 or last:
+            t_sync = time.perf_counter()
+            jax.block_until_ready(params)
+            train_s += time.perf_counter() - t_sync
+            row = dict(model=model, seed=seed, step=step + 1, T=T,
+                       stage="dense" if dense else "sparse", train_s=round(train_s, 3),
+                       train_loss=float(jnp.mean(jnp.stack(losses))),
+                       kl=float(jnp.mean(jnp.stack(kls))),
+                       train_acc=float(jnp.mean(jnp.stack(accs))))
+            losses, kls, accs = [], [], []
+            for task, arrays in evals.items():
+                stats = train_recall.in_chunks(
+                    functools.partial(train_recall.evaluate, params, mc=mc, task=task,
+                                      probe=False), arrays, rargs.eval_chunk)
+                row[f"acc_{task.name}"] = stats["acc"]
+                for i in range(rargs.n_layers):
+                    if f"l{i}_hit" in stats:
+                        row[f"l{i}_hit_{task.name}"] = stats[f"l{i}_hit"]
+            rows.append(row)
+            print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in row.items()), flush=True)
+            if not math.isfinite(row["train_loss"]) or last:
+                break
+    final = rows[-1]
+    summary = dict(model=model, seed=seed, steps=final["step"], train_s=final["train_s"],
+                   ms_per_step=1e3 * final["train_s"] / max(1, timed),
+                   compile_s=round(compile_s, 2), kl=final["kl"] if recipe == "kl" else None,
+                   finite=math.isfinite(final["train_loss"]),
+                   **{k: v for k, v in final.items() if k.startswith(("acc_", "l"))})
+    common.write_csv(os.path.join(out, "curves.csv"), rows, list(rows[-1]))
+    common.write_environment(os.path.join(out, "run.json"), dict(
+        summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
+        tokens_per_step=args.tokens_per_step, dense_steps=dense_steps,
+        kl_weight=args.kl_weight if recipe == "kl" else None,
+        kl_mode=args.kl_mode if recipe == "kl" else None, recall_args=vars(rargs),
+        nsa=dataclasses.asdict(mc.nsa)))
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Many runs
+# ---------------------------------------------------------------------------------------------
+def visible_gpus(text: Optional[str]) -> list[str]:
+    if text is not None:
+        return [g for g in text.split(",") if g and g != "none"]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU")]
+
+
+def launch(args, rest: list[str]) -> list[str]:
+    """Every (model, seed) run in a worker process, `--jobs` at a time, spread over the GPUs.
+    -> the failures (one line each)."""
+    from bench import common
+
+    runs = [(m, s) for s in args.seed_list for m in args.model_list]
+    gpus = visible_gpus(args.gpus)
+    per_gpu = math.ceil(args.jobs / max(1, len(gpus)))
+    script = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(script))
+
+    def work(i: int, model: str, seed: int) -> Optional[str]:
+        out = os.path.join(args.out, f"{model}_s{seed}")
+        os.makedirs(out, exist_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")])))
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            # Each worker holds its share of the card instead of XLA's default 75%.
+            env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / per_gpu:.3f}")
+        argv = [sys.executable, script, "--run", f"{model}:{seed}", "--out", out,
+                "--pairs", ",".join(map(str, args.pairs)),
+                "--tokens_per_step", str(args.tokens_per_step),
+                "--dense_frac", str(args.dense_frac), "--kl_weight", str(args.kl_weight),
+                "--kl_mode", args.kl_mode] + rest
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        if rc != 0:
+            with open(os.path.join(out, "log.txt")) as f:
+                tail = f.read()[-300:].replace("\n", " ")
+            return f"{model} seed {seed}: exit {rc}: {tail}"
+        return None
+
+    failures = []
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(work, i, m, s) for i, (m, s) in enumerate(runs)]
+        for future in common.progress(concurrent.futures.as_completed(futures),
+                                      total=len(futures), desc="recall runs"):
+            if future.result():
+                failures.append(future.result())
+                print(failures[-1], file=sys.stderr, flush=True)
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def load_runs(out: str) -> list[dict]:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out, "*", "run.json"))):
+        with open(path) as f:
+            record = json.load(f)
+        from bench import common
+
+        curves = common.read_csv(os.path.join(os.path.dirname(path), "curves.csv"))
+        record["curves"] = [{k: common.to_float(v) if k not in ("model", "stage") else v
+                             for k, v in r.items()} for r in curves]
+        runs.append(record)
+    return runs
+
+
+def report(out: str) -> str:
+    """results.md, summary.csv and curves.png from the runs in `out`. -> the table."""
+    import numpy as np
+
+    from bench import common
+
+    runs = load_runs(out)
+    if not runs:
+        raise ValueError(f"--out ({out!r}) holds no finished run (no */run.json)")
+    tasks = [task_name(p) for p in runs[0]["pairs"]]
+    models = [m for m in MODELS if any(r["model"] == m for r in runs)]
+    summaries = [r["summary"] for r in runs]
+    columns = ["model", "seed", "steps", *(f"acc_{t}" for t in tasks), "kl", "ms_per_step",
+               "train_s", "compile_s", "finite"]
+    columns += sorted({k for s in summaries for k in s} - set(columns))
+    common.write_csv(os.path.join(out, "summary.csv"), summaries, columns)
+    by_model = {m: sorted((s for s in summaries if s["model"] == m), key=lambda s: s["seed"])
+                for m in models}
+    full = {s["seed"]: s for s in by_model.get("full", [])}
+    lines = ["| model | seeds | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    for m in models:
+        cells = []
+        for t in tasks:
+            acc = np.array([s[f"acc_{t}"] for s in by_model[m]])
+            cell = f"{acc.mean():.3f} ({acc.min():.3f}-{acc.max():.3f})"
+            gaps = [s[f"acc_{t}"] - full[s["seed"]][f"acc_{t}"] for s in by_model[m]
+                    if s["seed"] in full]
+            if m != "full" and gaps:
+                cell += f", {100 * np.mean(gaps):+.1f} pt"
+            cells.append(cell)
+        lines.append(f"| {m} | {len(by_model[m])} | " + " | ".join(cells) + " |")
+    per_seed = ["| model | seed | " + " | ".join(tasks) + " | alignment KL | ms / step |",
+                "|---|---|" + "---|" * (len(tasks) + 2)]
+    for m in models:
+        for s in by_model[m]:
+            per_seed.append(f"| {m} | {s['seed']} | " + " | ".join(
+                f"{s[f'acc_{t}']:.3f}" for t in tasks) + f" | {common._cell(s.get('kl'))} | "
+                f"{s['ms_per_step']:.1f} |")
+    table = "\n".join(lines)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write("# Recall benchmark\n\nFinal accuracy at T "
+                f"{runs[0]['recall_args']['T']}, mean (range) over seeds; for each model "
+                "the mean gap to full attention on the same seeds in points.\n\n")
+        f.write(table + "\n\n" + "\n".join(per_seed) + "\n")
+    plot(os.path.join(out, "curves.png"), runs, tasks, models)
+    return table + "\n\n" + "\n".join(per_seed)
+
+
+def plot(path: str, runs: list[dict], tasks: list[str], models: list[str]) -> None:
+    import matplotlib
+
+    from bench import common
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_layers = runs[0]["recall_args"]["n_layers"]
+    last = f"l{n_layers - 1}"
+    panels = [(f"acc_{t}", f"{t}: accuracy") for t in tasks]
+    panels += [("kl", "alignment KL (nsa_aligned)"),
+               (f"{last}_hit_{tasks[-1]}", f"{tasks[-1]}: last layer's selection hit rate")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(MODELS)}
+    for ax, (key, title) in zip(axes[0], panels):
+        for m in models:
+            first = True
+            for r in (r for r in runs if r["model"] == m):
+                points = [(c["step"], c[key]) for c in r["curves"]
+                          if c.get(key) is not None]
+                if key == "kl" and r["recipe"] != "kl" or not points:
+                    continue
+                ax.plot(*zip(*points), color=colors[m], alpha=0.7, lw=1,
+                        label=m if first else None)
+                first = False
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+    common.save_panels(fig, axes.flat, path)
+
+
+def main(argv=None) -> int:
+    args, rest = parse_args(argv)
+    if args.run:
+        model, _, seed = args.run.partition(":")
+        train_one(model, int(seed), args, rest, args.out)
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    failures = [] if args.report_only else launch(args, rest)
+    print(report(args.out), flush=True)
+    for line in failures:
+        print("FAILED", line, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
