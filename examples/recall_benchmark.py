@@ -55,7 +55,7 @@ TASK_NAMES = {1: "needle"}
 
 # The benchmark's training schedule on top of train_recall's presets (its sizes and lr).
 SCHEDULES = {
-    "gpu": dict(steps=3000, curriculum="256:1200,512:1800,1024:2400", tokens_per_step=32768,
+    "gpu": dict(steps=3000, curriculum="512:1500,1024:2200", tokens_per_step=32768,
                 eval_every=250, eval_batch=128),
     "cpu": dict(steps=600, curriculum="128:300", tokens_per_step=4096, eval_every=100,
                 eval_batch=64),
@@ -220,6 +220,21 @@ def _train_step():
     return step
 
 
+def check_lengths(stages, T: int, pairs, cfg) -> None:
+    """Every pair count must fit beyond the window and the forced blocks at every length the
+    curriculum trains on (checked before the first step)."""
+    from examples import train_recall
+
+    for length in sorted({t for t, _ in stages} | {T}):
+        for p in pairs:
+            try:
+                train_recall.pair_region(train_recall.Task(task_name(p), p, p, max(pairs)),
+                                         length, cfg)
+            except ValueError as exc:
+                raise ValueError(f"--curriculum / --T / --pairs: {p} pairs at T = {length}: "
+                                 f"{exc}") from None
+
+
 def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     """Train `model` with `seed`; write curves.csv and run.json into `out`. -> the run's
     summary (final accuracy per task, KL, hit rates, time)."""
@@ -243,6 +258,7 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     params = train_recall.init_model(jax.random.PRNGKey(seed), mc, variant)
     opt_state = train_recall.OPTIMIZER.init(params)
     stages = train_recall.parse_curriculum(rargs.curriculum, rargs.steps)
+    check_lengths(stages, rargs.T, args.pairs, mc.nsa)
     dense_steps = int(round(args.dense_frac * rargs.steps)) if recipe else 0
     data_rng = np.random.default_rng(seed)
     evals = {}
