@@ -354,7 +354,10 @@ def launch(args, rest: list[str]) -> list[str]:
     -> the failures (one line each)."""
     from bench import common
 
-    runs = [(m, s) for s in args.seed_list for m in args.model_list]
+    # The costliest models first, so that the last runs to start are short ones.
+    cost = {m: i for i, m in enumerate(("nsa_aligned", "nsa_warmup", "nsa", "full", "window"))}
+    runs = sorted(((m, s) for s in args.seed_list for m in args.model_list),
+                  key=lambda run: (cost[run[0]], run[1]))
     gpus = visible_gpus(args.gpus)
     per_gpu = math.ceil(args.jobs / max(1, len(gpus)))
     script = os.path.abspath(__file__)
