@@ -413,10 +413,39 @@ def load_runs(out: str) -> list[dict]:
     return runs
 
 
-def report(out: str) -> str:
-    """results.md, summary.csv and curves.png from the runs in `out`. -> the table."""
+def at_step(run: dict, step: Optional[int] = None) -> dict:
+    """The run's last evaluation at or before `step` (None: its last)."""
+    rows = [c for c in run["curves"] if step is None or c["step"] <= step]
+    if not rows:
+        raise ValueError(f"{run['model']} seed {run['seed']} has no evaluation by step {step}")
+    return rows[-1]
+
+
+def accuracy_table(runs: list[dict], tasks: list[str], models: list[str],
+                   step: Optional[int] = None) -> str:
+    """Markdown: per model and task the mean (range) accuracy over seeds at `step` (None: each
+    run's last evaluation), and the mean gap to full attention on the same seeds, in points."""
     import numpy as np
 
+    rows = {(r["model"], r["seed"]): at_step(r, step) for r in runs}
+    lines = ["| model | seeds | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+    for m in models:
+        seeds = sorted(seed for model, seed in rows if model == m)
+        cells = []
+        for t in tasks:
+            acc = np.array([rows[m, seed][f"acc_{t}"] for seed in seeds])
+            cell = f"{acc.mean():.3f} ({acc.min():.3f}-{acc.max():.3f})"
+            gaps = [rows[m, seed][f"acc_{t}"] - rows["full", seed][f"acc_{t}"] for seed in seeds
+                    if ("full", seed) in rows]
+            if m != "full" and gaps:
+                cell += f", {100 * np.mean(gaps):+.1f} pt"
+            cells.append(cell)
+        lines.append(f"| {m} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(out: str) -> str:
+    """results.md, summary.csv and curves.png from the runs in `out`. -> the tables."""
     from bench import common
 
     runs = load_runs(out)
@@ -429,39 +458,35 @@ def report(out: str) -> str:
                "train_s", "compile_s", "finite"]
     columns += sorted({k for s in summaries for k in s} - set(columns))
     common.write_csv(os.path.join(out, "summary.csv"), summaries, columns)
-    by_model = {m: sorted((s for s in summaries if s["model"] == m), key=lambda s: s["seed"])
-                for m in models}
-    full = {s["seed"]: s for s in by_model.get("full", [])}
-    lines = ["| model | seeds | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
-    for m in models:
-        cells = []
-        for t in tasks:
-            acc = np.array([s[f"acc_{t}"] for s in by_model[m]])
-            cell = f"{acc.mean():.3f} ({acc.min():.3f}-{acc.max():.3f})"
-            gaps = [s[f"acc_{t}"] - full[s["seed"]][f"acc_{t}"] for s in by_model[m]
-                    if s["seed"] in full]
-            if m != "full" and gaps:
-                cell += f", {100 * np.mean(gaps):+.1f} pt"
-            cells.append(cell)
-        lines.append(f"| {m} | {len(by_model[m])} | " + " | ".join(cells) + " |")
-    per_seed = ["| model | seed | " + " | ".join(tasks) + " | alignment KL | ms / step |",
-                "|---|---|" + "---|" * (len(tasks) + 2)]
-    for m in models:
-        for s in by_model[m]:
-            per_seed.append(f"| {m} | {s['seed']} | " + " | ".join(
-                f"{s[f'acc_{t}']:.3f}" for t in tasks) + f" | {common._cell(s.get('kl'))} | "
-                f"{s['ms_per_step']:.1f} |")
-    table = "\n".join(lines)
+    planned = runs[0]["recall_args"]["steps"]
+    T = runs[0]["recall_args"]["T"]
+    text = [f"Accuracy at T {T} after each run's last step, mean (range) over seeds; after a "
+            "model's mean, its mean gap to full attention on the same seeds, in points.", "",
+            accuracy_table(runs, tasks, models)]
+    common_step = min(r["summary"]["steps"] for r in runs)
+    if common_step < max(r["summary"]["steps"] for r in runs):
+        # Runs stopped by --budget_s at different steps: compare them at a step all reached.
+        shared = set.intersection(*({c["step"] for c in r["curves"]} for r in runs))
+        reached = int(max(shared))
+        text += ["", f"At step {reached}, the last evaluation every run reached (of {planned} "
+                 "planned):", "", accuracy_table(runs, tasks, models, reached)]
+    text += ["", "| model | seed | steps | T last trained | " + " | ".join(tasks)
+             + " | alignment KL | ms / step |", "|---|---|---|---|" + "---|" * (len(tasks) + 2)]
+    for r in sorted(runs, key=lambda r: (models.index(r["model"]), r["seed"])):
+        s, last = r["summary"], at_step(r)
+        text.append(f"| {r['model']} | {r['seed']} | {s['steps']} | {int(last['T'])} | "
+                    + " | ".join(f"{s[f'acc_{t}']:.3f}" for t in tasks)
+                    + f" | {common._cell(s.get('kl'))} | {s['ms_per_step']:.1f} |")
+    body = "\n".join(text)
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("# Recall benchmark\n\nFinal accuracy at T "
-                f"{runs[0]['recall_args']['T']}, mean (range) over seeds; for each model "
-                "the mean gap to full attention on the same seeds in points.\n\n")
-        f.write(table + "\n\n" + "\n".join(per_seed) + "\n")
+        f.write(f"# Recall benchmark\n\n{body}\n")
     plot(os.path.join(out, "curves.png"), runs, tasks, models)
-    return table + "\n\n" + "\n".join(per_seed)
+    return body
 
 
 def plot(path: str, runs: list[dict], tasks: list[str], models: list[str]) -> None:
+    """Accuracy per task, the alignment KL and each layer's selection hit rate on the first
+    task against steps; a line per run, a colour per model."""
     import matplotlib
 
     from bench import common
@@ -470,26 +495,44 @@ def plot(path: str, runs: list[dict], tasks: list[str], models: list[str]) -> No
     import matplotlib.pyplot as plt
 
     n_layers = runs[0]["recall_args"]["n_layers"]
-    last = f"l{n_layers - 1}"
     panels = [(f"acc_{t}", f"{t}: accuracy") for t in tasks]
-    panels += [("kl", "alignment KL (nsa_aligned)"),
-               (f"{last}_hit_{tasks[-1]}", f"{tasks[-1]}: last layer's selection hit rate")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    panels += [("kl", "alignment KL (nsa_aligned)")]
+    panels += [(f"l{i}_hit_{tasks[0]}", f"{tasks[0]}: layer {i}'s selection hit rate")
+               for i in range(n_layers)]
+    cols = 3
+    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(4.4 * cols,
+                             3.4 * math.ceil(len(panels) / cols)), squeeze=False)
     colors = {m: f"C{i}" for i, m in enumerate(MODELS)}
-    for ax, (key, title) in zip(axes[0], panels):
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    chance = hit_chance(runs[0], tasks[0])
+    for ax, (key, title) in zip(axes.flat, panels):
+        if "_hit_" in key:
+            ax.axhline(chance, color="grey", ls="--", lw=1, label="chance")
+            title += f" (chance {chance:.2f})"
         for m in models:
             first = True
             for r in (r for r in runs if r["model"] == m):
-                points = [(c["step"], c[key]) for c in r["curves"]
-                          if c.get(key) is not None]
-                if key == "kl" and r["recipe"] != "kl" or not points:
+                points = [(c["step"], c[key]) for c in r["curves"] if c.get(key) is not None]
+                if (key == "kl" and r["recipe"] != "kl") or not points:
                     continue
                 ax.plot(*zip(*points), color=colors[m], alpha=0.7, lw=1,
                         label=m if first else None)
                 first = False
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
-    common.save_panels(fig, axes.flat, path)
+    common.save_panels(fig, axes.flat[:len(panels)], path)
+
+
+def hit_chance(run: dict, task: str) -> float:
+    """The hit rate of a random choice of the free selected blocks at the evaluation length."""
+    from examples import train_recall
+    from nsa_jax import NSAConfig
+
+    pairs = {task_name(p): p for p in run["pairs"]}[task]
+    cfg = NSAConfig(**run["nsa"])
+    return train_recall.selection_chance(train_recall.Task(task, pairs, pairs, max(run["pairs"])),
+                                         run["recall_args"]["T"], cfg)
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,157 @@
+"""examples/recall_benchmark.py on the CPU: the mixed-pair batches keep every key beyond the
+window in one format, the loss averages exactly the answered slots (against a float64
+computation), a bad length or flag is named before training, the report compares runs at a
+step all of them reached, and a tiny launch trains, aligns and writes its outputs."""
+import csv
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nsa_jax
+from examples import recall_benchmark as rb
+from examples import train_recall
+from nsa_common import NSAConfig
+
+
+def _cfg():
+    return NSAConfig.tiny(window=32, d_v=16)
+
+
+def test_mixed_batch_puts_each_rows_queries_in_the_last_slots():
+    cfg, vocab, slots, T = _cfg(), train_recall.Vocab(), 6, 192
+    batch = rb.mixed_batch(np.random.default_rng(0), (1, 3, 6), vocab, 64, T, cfg, slots)
+    tokens, answers, key_pos = batch["tokens"], batch["answers"], batch["key_pos"]
+    first_slot = T - 2 * slots
+    counts = (answers >= 0).sum(1)
+    assert set(counts) == {1, 3, 6}
+    for b in range(64):
+        p = counts[b]
+        assert (answers[b, :slots - p] == -1).all() and (key_pos[b, :slots - p] == -1).all()
+        asked = np.arange(T - 2 * p, T, 2)
+        assert np.array_equal(tokens[b, asked], tokens[b, key_pos[b, slots - p:]])
+        assert np.array_equal(tokens[b, asked + 1], answers[b, slots - p:])
+        assert np.array_equal(tokens[b, key_pos[b, slots - p:] + 1], answers[b, slots - p:])
+        # Filler (never a key) in the unused slots; every value beyond the window of the
+        # first slot, so no slot's window reaches a pair.
+        assert (tokens[b, first_slot:T - 2 * p] < vocab.first_key).all()
+        assert (first_slot - (key_pos[b, slots - p:] + 1) >= cfg.window).all()
+
+
+def test_loss_averages_the_answered_slots_of_each_row():
+    cfg = _cfg().replace(d_model=32)
+    mc = train_recall.ModelConfig("full", cfg, train_recall.Vocab().size, n_layers=1)
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc)
+    slots, T = 4, 160
+    batch = rb.mixed_batch(np.random.default_rng(1), (1, 4), train_recall.Vocab(), 6, T, cfg,
+                           slots)
+    loss, (task_loss, kl, acc) = rb.mixed_loss(params, batch["tokens"], batch["answers"], 0.0,
+                                               mc=mc, slots=slots, alignment=None)
+    h = train_recall.forward(params, jnp.asarray(batch["tokens"]), mc)
+    logits = np.asarray(train_recall.logits_at(params, h[:, T - 2 * slots::2]), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                           keepdims=True)) - logits.max(-1, keepdims=True)
+    per_row, correct, answered = [], 0, 0
+    for b, row in enumerate(batch["answers"]):
+        valid = np.flatnonzero(row >= 0)
+        per_row.append(-np.mean(logp[b, valid, row[valid]]))
+        correct += (logits[b, valid].argmax(-1) == row[valid]).sum()
+        answered += valid.size
+    np.testing.assert_allclose(float(task_loss), np.mean(per_row), rtol=1e-5)
+    assert float(loss) == float(task_loss) and float(kl) == 0.0
+    np.testing.assert_allclose(float(acc), correct / answered, rtol=1e-6)
+
+
+def test_alignment_loss_joins_the_loss_with_its_weight():
+    cfg = _cfg().replace(d_model=32)
+    mc = train_recall.ModelConfig("nsa", cfg, train_recall.Vocab().size, n_layers=2)
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc)
+    batch = rb.mixed_batch(np.random.default_rng(2), (1, 2), train_recall.Vocab(), 2, 160, cfg,
+                           2)
+    alignment = nsa_jax.AlignmentOptions()
+    loss, (task_loss, kl, _) = rb.mixed_loss(params, batch["tokens"], batch["answers"], 3.0,
+                                             mc=mc, slots=2, alignment=alignment)
+    _, layers = train_recall.forward(params, jnp.asarray(batch["tokens"]), mc, collect=True)
+    expected = np.mean([float(nsa_jax.selection_alignment_loss(blk["attn"], a, cfg))
+                        for blk, (a, _) in zip(params["blocks"], layers)])
+    assert float(kl) > 0
+    np.testing.assert_allclose(float(kl), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), float(task_loss) + 3.0 * float(kl), rtol=1e-6)
+
+
+def test_a_pair_count_that_does_not_fit_a_length_is_named_before_training(tmp_path):
+    with pytest.raises(ValueError, match="16 pairs at T = 256"):
+        rb.main(["--run", "full:1", "--curriculum", "256:10", "--steps", "20",
+                 "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "a-b"], "--seeds"), (["--pairs", "0,4"], "--pairs"),
+    (["--models", "full,dense"], "--models"), (["--jobs", "0"], "--jobs"),
+    (["--dense_frac", "1.5"], "--dense_frac")])
+def test_bad_flags_are_named(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        rb.parse_args(["--out", str(tmp_path)] + argv)
+    assert message in capsys.readouterr().err
+
+
+def _fake_run(out, model, seed, accs, steps):
+    """A finished run's files: evaluations every 2 steps up to `steps`, accuracy accs[i] on
+    both tasks at the i-th."""
+    folder = out / f"{model}_s{seed}"
+    folder.mkdir()
+    curves = [dict(model=model, seed=seed, step=2 * (i + 1), T=64, stage="sparse",
+                   acc_needle=a, acc_mqar4=a) for i, a in enumerate(accs)]
+    curves[-1]["step"] = steps
+    with open(folder / "curves.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, list(curves[0]))
+        writer.writeheader()
+        writer.writerows(curves)
+    summary = dict(model=model, seed=seed, steps=steps, acc_needle=accs[-1], acc_mqar4=accs[-1],
+                   kl=None, ms_per_step=1.0, train_s=1.0, compile_s=0.0, finite=True)
+    with open(folder / "run.json", "w") as f:
+        json.dump(dict(summary=summary, model=model, seed=seed, recipe=None, pairs=[1, 4],
+                       recall_args=dict(T=64, steps=8, n_layers=1),
+                       nsa=json.loads(json.dumps(_cfg().__dict__))), f)
+
+
+def test_report_compares_runs_at_a_step_all_reached(tmp_path):
+    _fake_run(tmp_path, "full", 1, [0.5, 0.8, 0.9, 1.0], 8)
+    _fake_run(tmp_path, "full", 2, [0.4, 0.6, 0.8, 1.0], 8)
+    _fake_run(tmp_path, "nsa", 1, [0.3, 0.7, 0.75], 5)   # stopped by its budget at step 5
+    _fake_run(tmp_path, "nsa", 2, [0.2, 0.5, 0.6, 0.9], 8)
+    text = rb.report(str(tmp_path))
+    final, common = text.split("At step 4,")
+    # Last evaluations: nsa seeds at 0.75 / 0.9 against full's 1.0 / 1.0.
+    assert "| nsa | 2 | 0.825 (0.750-0.900), -17.5 pt |" in final
+    # Step 4 is the last evaluation every run has: nsa 0.7 / 0.5 against full 0.8 / 0.6.
+    assert "| full | 2 | 0.700 (0.600-0.800) |" in common
+    assert "| nsa | 2 | 0.600 (0.500-0.700), -10.0 pt |" in common
+    assert "| nsa | 1 | 5 | 64 | 0.750 | 0.750 | - | 1.0 |" in text
+    for name in ("results.md", "summary.csv", "curves.png"):
+        assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_report_names_an_empty_folder(tmp_path):
+    with pytest.raises(ValueError, match="no finished run"):
+        rb.report(str(tmp_path))
+
+
+def test_tiny_launch_trains_aligns_and_reports(tmp_path):
+    # Two worker processes (one at a time): full attention and the alignment recipe (a dense
+    # warm-up of 2 steps, then sparse, the KL on throughout).
+    code = rb.main(["--preset", "smoke", "--models", "full,nsa_aligned", "--seeds", "1",
+                    "--pairs", "1,2", "--steps", "4", "--eval_every", "2",
+                    "--dense_frac", "0.5", "--gpus", "none", "--out", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "nsa_aligned_s1" / "curves.csv", newline="") as f:
+        curve = list(csv.DictReader(f))
+    assert [(r["step"], r["stage"]) for r in curve] == [("2", "dense"), ("4", "sparse")]
+    assert all(float(r["kl"]) > 0 for r in curve)
+    with open(tmp_path / "nsa_aligned_s1" / "run.json") as f:
+        assert json.load(f)["dense_steps"] == 2
+    text = (tmp_path / "results.md").read_text()
+    assert "| nsa_aligned | 1 |" in text and "mqar2" in text
