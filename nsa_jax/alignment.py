@@ -52,10 +52,14 @@ that gather the keys as above (packed sequences always take XLA). The importance
 mode the compressed scores of every block, `[B, q_chunk, H, C]` per chunk, recomputed in the
 backward pass (O(T C)); in sparse mode only at the selected blocks: the compressed attention's
 normaliser lse (one `compressed_attention` call on the backend, whose backward takes the lse's
-cotangent) and the scores of the few compressed blocks that overlap each selected block, taken
-from one `[B, q_chunk, H, C]` product per chunk (the exp / log work O(T n_sel)). On an H100 (bench
-preset, one layer, forward+backward) the sparse loss's KL part took 6.6 ms at 8k and 51.8 ms at
-32k, bound by that product's float32 scores (bench/RESULTS.md, "Training").
+cotangent) and the dispatch entry `selected_importance`: on `backend="pallas"` from T 32k
+(`pallas_backend.IMPORTANCE_MIN_T`) two Pallas kernels that read the ~5 compressed keys
+overlapping each selected block per (token, group), O(T n_sel) work forward and backward
+(`pallas_kernels.selected_importance`; dk_cmp by float32 atomics); on XLA (shorter sequences,
+packed ones) one `[B, q_chunk, H, C]` product per chunk from which the overlapping blocks' scores
+are taken (`nsa_jax.xla.importance`). On an H200 (bench preset, one layer, forward+backward) the
+KL part took 7.1 / 66.0 ms at 8k / 32k in XLA and 9.8 / 45.9 on the kernels (bench/RESULTS.md,
+"Training step with the alignment loss").
 
 Numerics. Scores and softmax in float32 (float64 for float64 inputs), and both distributions
 in log space: a block's mass never underflows to a log of 0, and where the compressed attention
@@ -83,6 +87,7 @@ from nsa_jax.segments import Segments, from_cu_seqlens, single_sequence
 from nsa_jax.xla.common import (block_logsumexp, compute_dtype, einsum, map_query_chunks,
                                 masked_softmax, split_heads)
 from nsa_jax.xla.compressed_attention import cmp_block_metadata
+from nsa_jax.xla.importance import logsumexp_masked as _logsumexp
 from nsa_jax.xla.selected_attention import gather_tokens
 
 ALIGNMENT_MODES = ("dense", "sparse")
@@ -308,12 +313,6 @@ def _dense_log_mass(q, k_sel, cfg: NSAConfig, segments: Optional[Segments],
     return map_query_chunks(body, alignment.q_chunk, q, pos, start), blocks
 
 
-def _logsumexp(a: jax.Array, axis: int) -> jax.Array:
-    """log(sum(exp(a))) over `axis`, -inf for an all -inf slice, with finite gradients there."""
-    a = jnp.moveaxis(a, axis, -1)
-    return masked_softmax(a, a > -jnp.inf)[1]
-
-
 def log_importance(q: jax.Array, k_cmp: jax.Array, q_pos: jax.Array, q_seg: jax.Array,
                    cmp_offset: jax.Array, segments: Segments, n_blocks: int, cfg: NSAConfig, *,
                    packed: bool) -> jax.Array:
@@ -380,46 +379,6 @@ def _without_fused_compressed(options: Optional[Mapping[str, Any]]) -> dict:
     return out
 
 
-def log_importance_at(q: jax.Array, k_cmp: jax.Array, lse: jax.Array, blocks: jax.Array,
-                      q_pos: jax.Array, q_seg: jax.Array, cmp_offset: jax.Array,
-                      segments: Segments, cfg: NSAConfig) -> jax.Array:
-    """`log_importance` at the given blocks only: the same values, from the scores of the
-    compressed blocks that overlap them and the normaliser lse. The scores come from one product
-    with every compressed key (`[B, Q, H, C]`); the softmax, log-sum-exp and overlap work is
-    O(blocks) per query instead of O(C).
-
-    q `[B, Q, H, d_k]`, k_cmp `[B, C, G, d_k]`, lse `[B, Q, H]` (`compressed_lse`), blocks int
-    `[B, Q, G, K]` (local selection blocks, -1 = none); q_pos, q_seg, cmp_offset `[B, Q]`. ->
-    `[B, Q, G, K]` (-inf where no admissible compressed block overlaps the block).
-    """
-    dtype = compute_dtype(q.dtype, k_cmp.dtype)
-    B, Q, G, K = blocks.shape
-    C = k_cmp.shape[1]
-    cmp_last, cmp_seg = cmp_block_metadata(segments, cfg)
-    r = cfg.sel_block // cfg.cmp_stride
-    weights = overlap_by_offset(cfg)
-    m = jnp.asarray([offset for offset, _ in weights], jnp.int32)
-    log_w = jnp.asarray([math.log(w) for _, w in weights], dtype)
-    local = blocks[..., None] * r + m                                          # [B, Q, G, K, M]
-    slot = cmp_offset[:, :, None, None, None] + local
-    in_range = (blocks[..., None] >= 0) & (local >= 0) & (slot < C)
-    slot = jnp.clip(slot, 0, max(C - 1, 0))
-    admissible = (in_range & (cmp_seg[slot] == q_seg[:, :, None, None, None])
-                  & (cmp_last[slot] <= q_pos[:, :, None, None, None]))
-    # Every compressed block's score (one product), then the overlapping blocks' ones: on an
-    # H100 3-7x faster than gathering the keys, whose backward scatters into k_cmp.
-    every = einsum("bqghd,bcgd->bqghc", split_heads(q, G), k_cmp, dtype) * cfg.scale
-    scores = jnp.take_along_axis(every, slot.reshape(B, Q, G, 1, -1), axis=-1)  # [B,Q,G,h,K*M]
-    lse = lse.reshape(B, Q, G, -1).astype(dtype)                               # [B, Q, G, h]
-    finite = jnp.isfinite(lse)
-    log_p = scores - jnp.where(finite, lse, 0.0)[..., None]
-    log_p = log_p.reshape(*log_p.shape[:4], K, len(weights))                  # [B, Q, G, h, K, M]
-    keep = admissible[:, :, :, None] & finite[..., None, None]
-    log_p = jnp.where(keep, log_p, -jnp.inf)
-    log_group = _logsumexp(log_p, axis=3)                                      # [B, Q, G, K, M]
-    return _logsumexp(log_group + log_w, axis=-1)
-
-
 def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfig, *,
             segments: Optional[Segments], block_idx: Optional[jax.Array],
             alignment: AlignmentOptions, backend: dispatch.Backend = "xla",
@@ -431,8 +390,9 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
     Dense mode ranks every block: the compressed scores of all C blocks per query, chunk by
     chunk (O(T C) work and its backward, in XLA). Sparse mode needs the importance of the
     selected blocks only: the compressed attention's normaliser (`compressed_lse`, one call on
-    `backend`) and the scores of the compressed blocks that overlap each selected block
-    (`log_importance_at`: one product per chunk, then O(T n_sel)).
+    `backend`) and the `selected_importance` dispatch entry (on `backend="pallas"` the kernels
+    of `pallas_kernels.selected_importance`, O(T n_sel) work; on XLA, and for packed sequences,
+    `nsa_jax.xla.importance`: one `[q_chunk, H, C]` product per chunk, then O(T n_sel)).
     """
     B, T = q.shape[:2]
     S = num_sel_blocks(cfg, T)
@@ -445,20 +405,18 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
     log_eps = math.log(alignment.eps)
     no_blocks = k_cmp.shape[1] == 0   # T < l: no compressed block, no importance
     extra = []
-    if sparse:
-        extra = [block_idx]
-        if not no_blocks:
-            extra.append(compressed_lse(q, k_cmp, cfg, segments=segments, backend=backend,
-                                        options=options))
+    if sparse and not no_blocks:
+        lse = compressed_lse(q, k_cmp, cfg, segments=segments, backend=backend, options=options)
+        extra.append(dispatch.call("selected_importance", backend, q, k_cmp, lse, block_idx, cfg,
+                                   scale=cfg.scale, q_chunk=alignment.q_chunk,
+                                   segments=segments, options=options))
 
     def body(chunk_start, q_c, log_t, pos_c, seg_c, offset_c, *sparse_c):
         del chunk_start
         if sparse and no_blocks:
             log_s = jnp.full(log_t.shape, -jnp.inf, log_t.dtype)
         elif sparse:
-            slots_c, lse_c = sparse_c
-            log_s = log_importance_at(q_c, k_cmp, lse_c, slots_c, pos_c, seg_c, offset_c,
-                                      layout, cfg)
+            log_s = sparse_c[0].astype(log_t.dtype)
         else:
             log_s = log_importance(q_c, k_cmp, pos_c, seg_c, offset_c, layout, S, cfg,
                                    packed=packed)

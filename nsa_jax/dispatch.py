@@ -15,6 +15,10 @@ Calling conventions, per branch (arrays BTHD; `scale` is already resolved to a f
         -> the log attention mass of each selected slot `[B, T, G, n_sel]`, no gradient (the
         selection-alignment loss's target, `nsa_jax.alignment`; q_chunk / kv_blocks size the
         XLA path's chunks)
+    selected_importance(q, k_cmp, lse, blocks, cfg, *, scale, q_chunk)
+        -> the log group importance (spec step 6) of each block of `blocks [B, T, G, K]`,
+        differentiable in q, k_cmp and lse (the compressed attention's `[B, T, H]`); the
+        alignment loss's ranking in sparse mode
 
 and the decode entries, for queries q `[B, Q, H, d_k]` at positions `[B, Q]` attending a decode
 cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
@@ -54,7 +58,7 @@ import jax
 from nsa_jax import nonfinite, xla
 
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
-            "sliding_window_attention", "selected_block_mass")
+            "sliding_window_attention", "selected_block_mass", "selected_importance")
 DECODE_BRANCHES = ("decode_append", "decode_compressed_attention", "decode_select_blocks",
                    "decode_compressed_select", "decode_selected_window_attention")
 

@@ -208,6 +208,7 @@ GUARDS = {
     # The alignment loss's target: its inputs are the layer's own projections, and a
     # non-finite one makes that query's KL non-finite, which the loss reports as it is.
     "selected_block_mass": unguarded,
+    "selected_importance": unguarded,
     "decode_append": unguarded,
     "decode_compressed_attention": unguarded,
     "decode_select_blocks": unguarded,

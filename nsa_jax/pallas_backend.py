@@ -32,7 +32,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from nsa_common import NSAConfig
+from nsa_common import NSAConfig, overlap_by_offset
 from nsa_jax.xla import cudnn
 from nsa_jax.xla.select_blocks import band_scores, rank_scores
 import pallas_kernels as kernels
@@ -129,6 +129,11 @@ class PallasOptions:
 DEFAULT_OPTIONS = PallasOptions()
 # The shortest sequence on which `token_tile_overlap` applies (PallasOptions).
 TOKEN_TILE_MIN_T = 32768
+# The shortest sequence on which the alignment loss's `selected_importance` runs the Pallas
+# kernels; shorter ones decline to XLA. On an H200 (bench preset, one layer, the sparse loss's
+# KL part forward+backward) the kernels took 9.78 ms at 8k against XLA's 7.07, and 45.9 at 32k
+# against 66.0 (bench/RESULTS.md, "Training step with the alignment loss"); 16k not measured.
+IMPORTANCE_MIN_T = 32768
 
 
 def _fused_takes(options: PallasOptions, q, k, v) -> bool:
@@ -239,6 +244,19 @@ def selected_block_mass(q, k, block_idx, *, block_size, scale, q_chunk, kv_block
         interpret=options.resolve_interpret())
 
 
+def selected_importance(q, k_cmp, lse, blocks, cfg: NSAConfig, *, scale, q_chunk,
+                        options: Optional[PallasOptions] = None):
+    del q_chunk  # the XLA path's chunks; the kernels run one program per token
+    options = options or DEFAULT_OPTIONS
+    if not options.resolve_interpret() and q.shape[1] < IMPORTANCE_MIN_T:
+        raise NotImplementedError(f"the importance kernels run from T = {IMPORTANCE_MIN_T} "
+                                  f"(shorter, XLA's product is faster), got {q.shape[1]}")
+    return kernels.selected_importance(
+        q, k_cmp, lse, blocks, cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride,
+        sel_block=cfg.sel_block, weights=overlap_by_offset(cfg), scale=scale,
+        interpret=options.resolve_interpret())
+
+
 def _one_query(q, what: str) -> None:
     if q.shape[1] != 1:
         raise NotImplementedError(f"the Pallas {what} kernel takes one query per sequence, "
@@ -328,6 +346,7 @@ def register() -> None:
     register_backend("select_blocks", "pallas", select_blocks)
     register_backend("selected_attention", "pallas", selected_attention)
     register_backend("selected_block_mass", "pallas", selected_block_mass)
+    register_backend("selected_importance", "pallas", selected_importance)
     register_backend("sliding_window_attention", "pallas", sliding_window_attention)
     register_backend("decode_compressed_attention", "pallas", decode_compressed_attention)
     register_backend("decode_select_blocks", "pallas", decode_select_blocks)

@@ -44,6 +44,10 @@ from pallas_kernels.selected_block_mass import (
     selected_block_mass,
     selected_block_mass_reference,
 )
+from pallas_kernels.selected_importance import (
+    selected_importance,
+    selected_importance_reference,
+)
 from pallas_kernels.window_attention import (
     BlockSizes as WindowAttentionBlockSizes,
     window_attention,

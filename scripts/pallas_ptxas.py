@@ -50,9 +50,10 @@ from pallas_kernels import profiles  # noqa: E402
 COLUMNS = ["arch", "dtype", "d_k", "d_v", "kernel", "num_warps", "num_stages", "registers",
            "spill_stores", "spill_loads", "shared_bytes", "shared_limit", "fits", "triton",
            "status"]
-KERNELS = ("select", "selected", "compressed", "window", "decode", "block_mass")
-# Kernels that take another kernel's tiles: the block-mass kernel runs on the selected ones.
-PROFILE_OF = {"block_mass": "selected"}
+KERNELS = ("select", "selected", "compressed", "window", "decode", "block_mass", "importance")
+# Kernels that take another kernel's tiles: the block-mass kernel runs on the selected ones; the
+# importance kernels have fixed launch parameters (the selected ones' are looked up, unused).
+PROFILE_OF = {"block_mass": "selected", "importance": "selected"}
 
 # Runs in a subprocess that imports triton only (jaxlib's and triton's LLVM stay apart):
 # compile one TTIR file for one architecture, run ptxas -v on its PTX, print one JSON line.
@@ -136,6 +137,20 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
         fn = lambda q, k, block_idx: selected_block_mass(  # noqa: E731
             q, k, block_idx, l_sel, block_sizes=sizes)
         return fn, (bf16(1, S, H, d_k), bf16(1, S, G, d_k),
+                    jax.ShapeDtypeStruct((1, S, G, n_sel), jnp.int32))
+    if kernel == "importance":
+        from nsa_common import NSAConfig, overlap_by_offset
+        from pallas_kernels.selected_importance import selected_importance
+        del sizes
+        weights = overlap_by_offset(NSAConfig(cmp_block=l, cmp_stride=d, sel_block=l_sel))
+
+        def fn(q, k_cmp, lse, block_idx):
+            loss = lambda q, k, lse: selected_importance(  # noqa: E731
+                q, k, lse, block_idx, cmp_block=l, cmp_stride=d, sel_block=l_sel,
+                weights=weights, scale=d_k ** -0.5).sum()
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k_cmp, lse)
+        return fn, (bf16(1, S, H, d_k), bf16(1, C, G, d_k),
+                    jax.ShapeDtypeStruct((1, S, H), jnp.float32),
                     jax.ShapeDtypeStruct((1, S, G, n_sel), jnp.int32))
     if kernel == "compressed":
         from pallas_kernels.compressed_attention import compressed_attention

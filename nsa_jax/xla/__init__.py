@@ -5,6 +5,7 @@ Runtime knobs live in `XlaOptions`.
 """
 from nsa_jax.xla.compress import compress_blocks, compress_kv
 from nsa_jax.xla.compressed_attention import compressed_attention
+from nsa_jax.xla.importance import selected_importance
 from nsa_jax.xla.decode import (decode_append, decode_compressed_attention,
                                 decode_compressed_select, decode_select_blocks,
                                 decode_selected_window_attention)
@@ -27,6 +28,7 @@ __all__ = [
     "select_blocks",
     "selected_attention",
     "selected_block_mass",
+    "selected_importance",
     "sliding_window_attention",
     "top_blocks",
 ]
