@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
 
 PIECES = ("loss", "target", "lse", "kl")
-COLUMNS = ["T", "mode", "piece", "status", "ms", "ms_min", "ms_max", "share_of_loss", "note",
+COLUMNS = ["T", "mode", "query_stride", "piece", "status", "ms", "ms_min", "ms_max", "share_of_loss", "note",
            "backend", "dtype", "device", "commit"]
 
 
@@ -70,9 +70,12 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
     from nsa_jax import alignment as al
 
     cfg, backend = args.cfg, args.backend
-    options = nsa_jax.AlignmentOptions(mode=args.mode)
+    options = nsa_jax.AlignmentOptions(mode=args.mode, query_stride=args.query_stride)
     sparse = args.mode == "sparse"
     block_idx = arrays["block_idx"] if sparse else None
+    T, stride = arrays["x"].shape[1], args.query_stride
+    # The queries the loss keeps (AlignmentOptions.query_stride); None: every query.
+    rows = jnp.arange(stride - 1, T, stride, dtype=jnp.int32) if stride > 1 else None
 
     def loss(params, x):
         return nsa_jax.selection_alignment_loss(params, x, cfg, alignment=options,
@@ -80,7 +83,7 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
 
     def target(q, k_sel):
         return al.target_log_probs(q, k_sel, cfg, segments=None, block_idx=block_idx,
-                                   alignment=options, backend=backend)
+                                   alignment=options, backend=backend, rows=rows)
 
     def lse(q, k_cmp):
         value = al.compressed_lse(q, k_cmp, cfg, segments=None, backend=backend)
@@ -90,15 +93,16 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
     log_target = target(arrays["q"], arrays["k_sel"])
 
     def kl(q, k_cmp):
-        rows, counted = al.kl_rows(q, k_cmp, log_target, cfg, segments=None,
-                                   block_idx=block_idx, alignment=options, backend=backend)
-        return jnp.sum(jnp.where(counted, rows, 0.0))
+        kl_q, counted = al.kl_rows(q, k_cmp, log_target, cfg, segments=None,
+                                   block_idx=block_idx, alignment=options, backend=backend,
+                                   rows=rows)
+        return jnp.sum(jnp.where(counted, kl_q, 0.0))
 
     q, k_cmp = arrays["q"], arrays["k_cmp"]
     pieces = {"loss": (jax.jit(jax.value_and_grad(loss)), (arrays["params"], arrays["x"])),
               "target": (target, (q, arrays["k_sel"])),
               "kl": (jax.jit(jax.value_and_grad(kl, argnums=(0, 1))), (q, k_cmp))}
-    if sparse:
+    if sparse and rows is None:   # with a stride the lse is computed inside the kl piece
         pieces["lse"] = (jax.jit(jax.value_and_grad(lse, argnums=(0, 1))), (q, k_cmp))
     return pieces
 
@@ -107,7 +111,8 @@ def run(args) -> list[dict[str, Any]]:
     commit = common.git_commit()[:12]
     records = []
     for T in common.progress(args.T, desc="T", enabled=not args.no_progress):
-        base = dict(T=T, mode=args.mode, backend=",".join(args.backend), dtype=args.dtype,
+        base = dict(T=T, mode=args.mode, query_stride=args.query_stride,
+                    backend=",".join(args.backend), dtype=args.dtype,
                     device=args.device_label, commit=commit)
         try:
             pieces = piece_functions(args, prepare(args, T))
@@ -140,6 +145,8 @@ def build_parser():
     p.add_argument("--B", type=int, default=1, help="sequences")
     p.add_argument("--mode", default="sparse", choices=("sparse", "dense"),
                    help="AlignmentOptions.mode")
+    p.add_argument("--query_stride", type=int, default=1,
+                   help="AlignmentOptions.query_stride (every s-th query enters the loss)")
     p.add_argument("--backend", default=None,
                    help="NSA dispatch backends in order (default: pallas,xla on a GPU, xla on "
                         "a CPU)")

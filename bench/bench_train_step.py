@@ -56,7 +56,8 @@ from bench import common  # noqa: E402  (sets the allocator environment before j
 from bench.common import OK, OOM, SKIPPED, Skip  # noqa: E402
 
 COLUMNS = ["bench", "row", "impl", "T", "B", "layers", "d_model", "H", "G", "dk", "dv", "l",
-           "d", "l_sel", "n_sel", "w", "dtype", "backend", "kl_mode", "kl_weight", "status",
+           "d", "l_sel", "n_sel", "w", "dtype", "backend", "kl_mode", "kl_weight", "query_stride",
+           "status",
            "ms", "ms_min", "ms_max", "compile_s", "peak_mb", "device_peak_mb", "kl_share",
            "speedup", "baseline", "note", "device"]
 LATEST_COLUMNS = ["row", "T", "ms", "kl_share", "speedup", "peak_mb", "device_peak_mb",
@@ -83,7 +84,8 @@ def _base_record(args, row: str, T: int) -> dict[str, Any]:
             "w": cfg.window if nsa else "", "dtype": args.dtype,
             "backend": ",".join(args.backend) if nsa else DENSE_KERNELS[row],
             "kl_mode": KL_MODES.get(row, ""), "kl_weight": args.kl_weight if row in KL_MODES
-            else "", "device": args.device_label}
+            else "", "query_stride": args.query_stride if row in KL_MODES else "",
+            "device": args.device_label}
 
 
 def _check_row(args, row: str) -> None:
@@ -128,7 +130,7 @@ def build_row(args, row: str):
     # Python floats: weakly typed, so the update keeps the parameters' dtype.
     lr, kl_weight = 1e-4, args.kl_weight
     if row in KL_MODES:
-        alignment = nsa_jax.AlignmentOptions(mode=KL_MODES[row])
+        alignment = nsa_jax.AlignmentOptions(mode=KL_MODES[row], query_stride=args.query_stride)
         static = dict(mc=mc, task=task, alignment=alignment)
         return train_aligned.train_step, static, state, (lr, kl_weight), vocab, task
     mults = cast(train_recall.lr_multipliers(params, train_recall.Variant()))
@@ -281,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--B", type=int, default=1, help="sequences per step")
     p.add_argument("--layers", type=int, default=2, help="decoder layers")
     p.add_argument("--kl_weight", type=float, default=1.0, help="the alignment loss's weight")
+    p.add_argument("--query_stride", type=int, default=1,
+                   help="AlignmentOptions.query_stride of the alignment rows (every s-th query)")
     p.add_argument("--backend", default=None,
                    help="NSA dispatch backends in order (default: pallas,xla on a GPU, xla on "
                         "a CPU)")

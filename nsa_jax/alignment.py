@@ -86,9 +86,11 @@ from nsa_jax import checks, core, dispatch, layer
 from nsa_jax.segments import Segments, from_cu_seqlens, single_sequence
 from nsa_jax.xla.common import (block_logsumexp, compute_dtype, einsum, map_query_chunks,
                                 masked_softmax, split_heads)
-from nsa_jax.xla.compressed_attention import cmp_block_metadata
+from nsa_jax.xla.compressed_attention import cmp_block_metadata, cmp_probabilities
+from nsa_jax.xla.importance import log_importance_at
 from nsa_jax.xla.importance import logsumexp_masked as _logsumexp
 from nsa_jax.xla.selected_attention import gather_tokens
+from nsa_jax.xla.selected_attention import selected_block_mass as xla_selected_block_mass
 
 ALIGNMENT_MODES = ("dense", "sparse")
 
@@ -107,6 +109,10 @@ class AlignmentOptions:
         the target's loop (default 16). They trade memory (scores `[B, q_chunk, H, kv_blocks *
         l_sel]` at a time) against the number of sequential steps; the loss does not depend
         on them.
+    query_stride: s >= 1 (default 1): only every s-th query (positions s-1, 2s-1, ...) enters
+        the loss, the mean over their (query, group) pairs: an estimate of the full mean at
+        about 1/s of its cost. With s > 1 the loss's pieces run in XLA whatever the backend
+        (the Pallas kernels take every query); the compression and the selection keep it.
     """
 
     mode: str = "dense"
@@ -114,6 +120,7 @@ class AlignmentOptions:
     eps: float = 1e-6
     q_chunk: int = 256
     kv_blocks: int = 16
+    query_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ALIGNMENT_MODES:
@@ -125,6 +132,7 @@ class AlignmentOptions:
             raise ValueError(f"eps ({self.eps!r}) must be a float in (0, 0.1]")
         checks.positive_int("q_chunk", self.q_chunk)
         checks.positive_int("kv_blocks", self.kv_blocks)
+        checks.positive_int("query_stride", self.query_stride)
 
 
 def dense_warmup_config(cfg: NSAConfig, seq_len: int) -> NSAConfig:
@@ -193,14 +201,25 @@ def _loss_unchecked(params, x, cu_seqlens, block_idx, *, cfg: NSAConfig,
             block_idx = dispatch.call("select_blocks", backend, q_fixed,
                                       lax.stop_gradient(k_cmp), cfg, scale=cfg.scale,
                                       segments=segments, options=options)
+        rows = None
+        if alignment.query_stride > 1:
+            s = alignment.query_stride
+            if T < s:   # no query kept: nothing to rank
+                dtype = compute_dtype(x.dtype)
+                return (jnp.zeros((), dtype), jnp.zeros((B, T, cfg.n_kv_heads), dtype),
+                        jnp.zeros((B, T, cfg.n_kv_heads), bool))
+            rows = jnp.arange(s - 1, T, s, dtype=jnp.int32)
         log_target = lax.stop_gradient(target_log_probs(
             q_fixed, proj["k_sel"], cfg, segments=segments, block_idx=block_idx,
-            alignment=alignment, backend=backend, options=options))
+            alignment=alignment, backend=backend, options=options, rows=rows))
         kl, counted = kl_rows(q_ranked, k_cmp, log_target, cfg, segments=segments,
                               block_idx=block_idx, alignment=alignment, backend=backend,
-                              options=options)
+                              options=options, rows=rows)
     n_counted = jnp.sum(counted)
     loss = jnp.sum(jnp.where(counted, kl, 0.0)) / jnp.maximum(n_counted, 1)
+    if rows is not None:   # per-token outputs: the rows not sampled hold 0 / not counted
+        kl = jnp.zeros((B, T) + kl.shape[2:], kl.dtype).at[:, rows].set(kl)
+        counted = jnp.zeros((B, T) + counted.shape[2:], bool).at[:, rows].set(counted)
     return loss, kl, counted
 
 
@@ -231,7 +250,8 @@ def _layout(T: int, segments: Optional[Segments], B: int):
 def target_log_probs(q: jax.Array, k_sel: jax.Array, cfg: NSAConfig, *,
                      segments: Optional[Segments], block_idx: Optional[jax.Array],
                      alignment: AlignmentOptions, backend: dispatch.Backend = "xla",
-                     options: Optional[Mapping[str, Any]] = None) -> jax.Array:
+                     options: Optional[Mapping[str, Any]] = None,
+                     rows: Optional[jax.Array] = None) -> jax.Array:
     """The target's log-probabilities over the candidates (module docstring), no gradient.
 
     q `[B, T, H, d_k]`, k_sel `[B, T, G, d_k]` (RoPE'd, as the selected branch sees them);
@@ -239,13 +259,23 @@ def target_log_probs(q: jax.Array, k_sel: jax.Array, cfg: NSAConfig, *,
     candidates: over blocks `0..K-1` (K = ceil(T / l_sel)) in dense mode, over the slots of
     block_idx (K = n_sel) in sparse mode. Sparse mode takes the selected branch's per-slot mass
     from the `selected_block_mass` dispatch entry (a Pallas kernel on `backend="pallas"`, else
-    XLA); dense mode is computed here, in XLA.
+    XLA); dense mode is computed here, in XLA. rows int `[Q]`: the queries at those tokens
+    only (the result `[B, Q, G, K]`; sparse mode in XLA).
     """
     B, T = q.shape[:2]
     pos = _layout(T, segments, B)[0]
     q, k_sel = lax.stop_gradient(q), lax.stop_gradient(k_sel)
+    if rows is not None:
+        pos, q = pos[:, rows], q[:, rows]
+        block_idx = None if block_idx is None else block_idx[:, rows]
     if alignment.mode == "dense":
-        log_mass, blocks = _dense_log_mass(q, k_sel, cfg, segments, alignment)
+        log_mass, blocks = _dense_log_mass(q, k_sel, cfg, segments, alignment, rows)
+    elif rows is not None:
+        log_mass = xla_selected_block_mass(q, k_sel, block_idx, block_size=cfg.sel_block,
+                                           scale=cfg.scale, q_chunk=alignment.q_chunk,
+                                           kv_blocks=alignment.kv_blocks, segments=segments,
+                                           q_rows=rows)
+        blocks = block_idx
     else:
         log_mass = dispatch.call("selected_block_mass", backend, q, k_sel, block_idx,
                                  block_size=cfg.sel_block, scale=cfg.scale,
@@ -258,16 +288,20 @@ def target_log_probs(q: jax.Array, k_sel: jax.Array, cfg: NSAConfig, *,
 
 
 def _dense_log_mass(q, k_sel, cfg: NSAConfig, segments: Optional[Segments],
-                    alignment: AlignmentOptions):
-    """(log mass `[B, T, G, K]` of the full causal attention on every selection block, summed
-    over the group's heads, in the compute dtype; the block indices `[B, T, G, K]`)."""
-    B, T, H, _ = q.shape
+                    alignment: AlignmentOptions, rows: Optional[jax.Array] = None):
+    """(log mass `[B, Q, G, K]` of the full causal attention on every selection block, summed
+    over the group's heads, in the compute dtype; the block indices `[B, Q, G, K]`) for the
+    queries q `[B, Q, H, d_k]` at tokens `rows` (None: every token, Q = T)."""
+    B, Q, H, _ = q.shape
+    T = k_sel.shape[1]
     G, L, kv = k_sel.shape[2], cfg.sel_block, alignment.kv_blocks
     dtype = compute_dtype(q.dtype, k_sel.dtype)
     pos, start, _, _ = _layout(T, segments, B)
+    if rows is not None:
+        pos, start = pos[:, rows], start[:, rows]
     K = num_sel_blocks(cfg, T)
     n_tiles = -(-K // kv)
-    blocks = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, T, G, K))
+    blocks = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (B, Q, G, K))
     shared = segments is None   # every query's block j is the same keys
     if shared:
         k_sel = jnp.pad(k_sel, [(0, 0), (0, n_tiles * kv * L - T), (0, 0), (0, 0)])
@@ -382,7 +416,7 @@ def _without_fused_compressed(options: Optional[Mapping[str, Any]]) -> dict:
 def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfig, *,
             segments: Optional[Segments], block_idx: Optional[jax.Array],
             alignment: AlignmentOptions, backend: dispatch.Backend = "xla",
-            options: Optional[Mapping[str, Any]] = None):
+            options: Optional[Mapping[str, Any]] = None, rows: Optional[jax.Array] = None):
     """KL(target || p~) per query and group. q `[B, T, H, d_k]`, k_cmp `[B, C, G, d_k]`
     (compressed keys; slots per sequence when packed), log_target from `target_log_probs`.
     -> (kl `[B, T, G]` in the compute dtype, counted bool `[B, T, G]`: J non-empty).
@@ -393,6 +427,8 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
     `backend`) and the `selected_importance` dispatch entry (on `backend="pallas"` the kernels
     of `pallas_kernels.selected_importance`, O(T n_sel) work; on XLA, and for packed sequences,
     `nsa_jax.xla.importance`: one `[q_chunk, H, C]` product per chunk, then O(T n_sel)).
+    rows int `[Q]`: the queries at those tokens only (log_target `[B, Q, G, K]`, the results
+    `[B, Q, G]`; sparse mode's lse and importance in XLA).
     """
     B, T = q.shape[:2]
     S = num_sel_blocks(cfg, T)
@@ -401,11 +437,17 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
     layout = segments
     if not packed:
         layout = single_sequence(T, num_cmp_blocks(cfg, T), cfg)
+    if rows is not None:
+        q, pos, seg, cmp_offset = (a[:, rows] for a in (q, pos, seg, cmp_offset))
+        block_idx = None if block_idx is None else block_idx[:, rows]
     sparse = alignment.mode == "sparse"
     log_eps = math.log(alignment.eps)
     no_blocks = k_cmp.shape[1] == 0   # T < l: no compressed block, no importance
     extra = []
-    if sparse and not no_blocks:
+    if sparse and not no_blocks and rows is not None:
+        extra.append(_importance_at_rows(q, k_cmp, block_idx, pos, seg, cmp_offset, layout, cfg,
+                                         alignment.q_chunk))
+    elif sparse and not no_blocks:
         lse = compressed_lse(q, k_cmp, cfg, segments=segments, backend=backend, options=options)
         extra.append(dispatch.call("selected_importance", backend, q, k_cmp, lse, block_idx, cfg,
                                    scale=cfg.scale, q_chunk=alignment.q_chunk,
@@ -432,3 +474,21 @@ def kl_rows(q: jax.Array, k_cmp: jax.Array, log_target: jax.Array, cfg: NSAConfi
         return jnp.sum(jnp.where(is_candidate, terms, 0.0), axis=-1), n > 0
 
     return map_query_chunks(body, alignment.q_chunk, q, log_target, pos, seg, cmp_offset, *extra)
+
+
+def _importance_at_rows(q, k_cmp, blocks, pos, seg, cmp_offset, layout: Segments, cfg: NSAConfig,
+                        q_chunk: int) -> jax.Array:
+    """The sparse mode's log importance `[B, Q, G, K]` of the queries q `[B, Q, H, d_k]` at
+    local positions pos (sequences seg, first compressed slots cmp_offset; `[B, Q]` each), in
+    XLA: per chunk, the compressed attention's lse (differentiable) and `log_importance_at`."""
+    cmp_last, cmp_seg = cmp_block_metadata(layout, cfg)
+    H = q.shape[2]
+
+    def body(chunk_start, q_c, blocks_c, pos_c, seg_c, offset_c):
+        del chunk_start
+        _, lse = cmp_probabilities(q_c, k_cmp, pos_c, seg_c, cmp_last, cmp_seg, cfg.scale)
+        lse = lse.reshape(lse.shape[:2] + (H,))
+        return log_importance_at(q_c, k_cmp, lse, blocks_c, pos_c, seg_c, offset_c, layout, cfg,
+                                 cfg.scale)
+
+    return map_query_chunks(body, q_chunk, q, blocks, pos, seg, cmp_offset)

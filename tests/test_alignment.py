@@ -151,20 +151,80 @@ def test_matches_float64_bruteforce_and_its_gradient(mode, cu_seqlens, train_que
         assert np.any(np.abs(np.asarray(leaf)) > 1e-6), f"{name} got no gradient"
 
     # The directional derivative along the reached parameters, by central differences.
-    rng = np.random.default_rng(0)
-    direction = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(params),
-        [rng.standard_normal(p.shape) * (name in allowed)
-         for name, p in zip(leaf_names(params), jax.tree_util.tree_leaves(params))])
+    direction = random_direction(params, allowed, seed=0)
     step = 1e-6
     # The target and the selection held fixed, as the gradient holds them.
     moved = [bf_alignment(jax.tree_util.tree_map(lambda p, v: np.asarray(p) + sign * step * v,
                                                  params, direction), x, CFG, mode, chosen,
                           cu_seqlens=cu_seqlens, target_params=params)[0]
              for sign in (1, -1)]
-    slope = sum(float(np.sum(np.asarray(g) * v)) for g, v in
-                zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(direction)))
-    assert slope == pytest.approx((moved[0] - moved[1]) / (2 * step), rel=1e-6)
+    assert slope(grads, direction) == pytest.approx((moved[0] - moved[1]) / (2 * step),
+                                                    rel=1e-6)
+
+
+def random_direction(params, allowed: set, seed: int):
+    """A random direction in parameter space along the leaves named in `allowed` only."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(params),
+        [rng.standard_normal(p.shape) * (name in allowed)
+         for name, p in zip(leaf_names(params), jax.tree_util.tree_leaves(params))])
+
+
+def slope(grads, direction) -> float:
+    """The derivative along `direction` that the gradient gives."""
+    return sum(float(np.sum(np.asarray(g) * v)) for g, v in
+               zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(direction)))
+
+
+# -- subsampled queries ---------------------------------------------------------------------------
+def _strided_mean(kl, counted, stride):
+    """The brute force's mean KL over the counted pairs of the queries at stride - 1, 2 stride -
+    1, ... (the positions `query_stride` keeps)."""
+    keep = np.zeros(counted.shape[1], bool)
+    keep[stride - 1::stride] = True
+    chosen = counted & keep[None, :, None]
+    return kl[chosen].sum() / max(1, chosen.sum()), chosen
+
+
+@pytest.mark.parametrize("mode, cu_seqlens, backend", [
+    pytest.param("sparse", None, "xla", id="sparse"),
+    pytest.param("dense", CU_SEQLENS, "xla", id="dense-packed"),
+    pytest.param("sparse", CU_SEQLENS, "pallas", id="sparse-packed-pallas")])
+def test_query_stride_is_the_mean_over_the_kept_queries(mode, cu_seqlens, backend):
+    """query_stride 3: the loss is the brute force's mean over the kept queries' counted pairs,
+    the per-token outputs hold them (the other queries 0 / not counted), and the gradient is
+    that mean's (central differences, the target and the selection held fixed)."""
+    stride = 3
+    with enable_x64():
+        B = 2 if cu_seqlens is None else 1
+        params, x = make_inputs(CFG, B, T, jnp.float64, seed=4)
+        alignment = AlignmentOptions(mode=mode, q_chunk=16, kv_blocks=3, query_stride=stride)
+        (loss, aux), grads = jax.jit(jax.value_and_grad(lambda p: selection_alignment_loss(
+            p, x, CFG, alignment=alignment, cu_seqlens=cu_seqlens, backend=backend,
+            return_aux=True), has_aux=True))(params)
+    _, kl, counted, chosen = bf_alignment(params, x, CFG, mode, cu_seqlens=cu_seqlens)
+    ref, kept = _strided_mean(kl, counted, stride)
+    np.testing.assert_array_equal(aux["counted"], kept)
+    assert kept.any() and not np.array_equal(kept, counted)
+    np.testing.assert_allclose(aux["kl"], np.where(kept, kl, 0.0), rtol=RTOL_F64, atol=1e-14)
+    assert float(loss) == pytest.approx(ref, rel=RTOL_F64) and ref > 1e-3
+
+    direction = random_direction(params, reached(CFG, False), seed=1)
+    step = 1e-6
+    moved = [_strided_mean(*bf_alignment(
+        jax.tree_util.tree_map(lambda p, v: np.asarray(p) + sign * step * v, params, direction),
+        x, CFG, mode, chosen, cu_seqlens=cu_seqlens, target_params=params)[1:3], stride)[0]
+        for sign in (1, -1)]
+    assert slope(grads, direction) == pytest.approx((moved[0] - moved[1]) / (2 * step),
+                                                    rel=1e-6)
+
+
+def test_query_stride_longer_than_the_sequence_gives_zero():
+    params, x = make_inputs(CFG, 1, 20, jnp.float32, seed=1)
+    loss, aux = selection_alignment_loss(params, x, CFG, return_aux=True,
+                                         alignment=AlignmentOptions(query_stride=32))
+    assert float(loss) == 0.0 and not np.asarray(aux["counted"]).any()
 
 
 # -- KL 0 where the importance is the target; extreme inputs --------------------------------------
@@ -220,7 +280,8 @@ def test_sparse_finite_at_extreme_inputs(equal_case):
 
 # -- options --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [("mode", "full"), ("train_queries", 1), ("eps", 0.0),
-                                          ("eps", 0.5), ("q_chunk", 0), ("kv_blocks", 2.0)])
+                                          ("eps", 0.5), ("q_chunk", 0), ("kv_blocks", 2.0),
+                                          ("query_stride", 0)])
 def test_bad_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         AlignmentOptions(**{field: value})

@@ -652,17 +652,21 @@ def test_failure_status_of_an_isolated_row():
     assert common.failure_status(None) == common.ERROR
 
 
-def test_alignment_bench_cpu_sparse(tmp_path, cpu_env, capsys):
+@pytest.mark.parametrize("stride", [1, 3])
+def test_alignment_bench_cpu_sparse(tmp_path, cpu_env, capsys, stride):
     """The sparse loss and its three pieces timed on the CPU (XLA): a row each, the loss's
-    share 1, the summary printed."""
+    share 1, the summary printed; with a query stride the lse is part of the kl piece."""
     code = bench_alignment.main(["--device", "cpu", "--preset", "tiny", "--T_list", "96",
                                  "--dtype", "float32", "--iters", "1", "--warmup", "0",
-                                 "--repeats", "1", "--no_progress", "--out", str(tmp_path)])
+                                 "--repeats", "1", "--no_progress", "--query_stride",
+                                 str(stride), "--out", str(tmp_path)])
     assert code == 0
     columns, rows = _read(tmp_path / "alignment.csv")
     assert columns == bench_alignment.COLUMNS
-    assert [r["piece"] for r in rows] == list(bench_alignment.PIECES)
+    assert [r["piece"] for r in rows] == [p for p in bench_alignment.PIECES
+                                          if stride == 1 or p != "lse"]
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in rows)
+    assert {r["query_stride"] for r in rows} == {str(stride)}
     assert float(rows[0]["share_of_loss"]) == 1.0
     assert "Selection-alignment loss, mode=sparse" in capsys.readouterr().out
 
@@ -759,7 +763,7 @@ def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
     out = tmp_path / "train_step_nsa"
     rows = ["nsa", "nsa_kl_sparse", "nsa_kl_dense"]
     code = bench_train_step.main(TINY_TRAIN + ["--rows", ",".join(rows), "--isolate", "none",
-                                               "--out", str(out)])
+                                               "--query_stride", "2", "--out", str(out)])
     assert code == 0
     _, records = _read(out / "train_step.csv")
     assert [r["row"] for r in records] == rows
@@ -767,6 +771,7 @@ def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
         assert r["status"] == "ok" and r["note"] == "", r
         assert r["backend"] == "xla" and float(r["ms"]) > 0
     assert [r["kl_mode"] for r in records] == ["", "sparse", "dense"]
+    assert [r["query_stride"] for r in records] == ["", "2", "2"]
     assert all(r["kl_share"] != "" for r in records[1:])
 
 

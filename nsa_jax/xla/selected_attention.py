@@ -77,24 +77,29 @@ def selected_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_idx: jax.
 def selected_block_mass(q: jax.Array, k: jax.Array, block_idx: jax.Array, *, block_size: int,
                         scale: float, q_chunk: int = 256, kv_blocks: int = 16,
                         segments: Optional[Segments] = None,
-                        options: Optional[XlaOptions] = None) -> jax.Array:
+                        options: Optional[XlaOptions] = None,
+                        q_rows: Optional[jax.Array] = None) -> jax.Array:
     """The log of the selected branch's attention mass on each selected slot, summed over the
     group's heads (the definition: `pallas_kernels.selected_block_mass`). q `[B, T, H, d_k]`,
     k `[B, T, G, d_k]`, block_idx `[B, T, G, n]` -> `[B, T, G, n]` in the compute dtype, -inf
-    where a slot holds no attended token; no gradient.
+    where a slot holds no attended token; no gradient. q_rows int `[Q]`: the queries are those
+    tokens only (q `[B, Q, H, d_k]`, block_idx `[B, Q, G, n]`; the result `[B, Q, G, n]`).
 
     Per chunk of `q_chunk` queries, `kv_blocks` slots at a time: their keys gathered in the
     compute dtype, `[B, q_chunk, G, kv_blocks * block_size, d_k]`, and the scores
     `[B, q_chunk, H, kv_blocks * block_size]`.
     """
     del options
-    B, T, H, _ = q.shape
+    B, H = q.shape[0], q.shape[2]
+    T = k.shape[1]
     G, L, K = k.shape[2], block_size, block_idx.shape[-1]
     kv = min(kv_blocks, K)
     n_tiles = -(-K // kv)
     dtype = compute_dtype(q.dtype, k.dtype)
     k = lax.stop_gradient(k).astype(dtype)
     pos, start = _positions(segments, B, T)
+    if q_rows is not None:
+        pos, start = pos[:, q_rows], start[:, q_rows]
     offsets = jnp.arange(L, dtype=jnp.int32)
 
     def body(chunk_start, q_c, pos_c, start_c, idx_c):
