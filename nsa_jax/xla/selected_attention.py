@@ -90,8 +90,7 @@ def selected_block_mass(q: jax.Array, k: jax.Array, block_idx: jax.Array, *, blo
     `[B, q_chunk, H, kv_blocks * block_size]`.
     """
     del options
-    B, H = q.shape[0], q.shape[2]
-    T = k.shape[1]
+    B, T = q.shape[0], k.shape[1]
     G, L, K = k.shape[2], block_size, block_idx.shape[-1]
     kv = min(kv_blocks, K)
     n_tiles = -(-K // kv)
