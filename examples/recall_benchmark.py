@@ -203,8 +203,7 @@ def mixed_loss(params, tokens, answers, kl_weight, *, mc, slots, alignment):
     import jax
     import jax.numpy as jnp
 
-    import nsa_jax
-    from examples import train_recall
+    from examples import train_aligned, train_recall
 
     h, layers = train_recall.forward(params, tokens, mc, collect=True)
     T = tokens.shape[1]
@@ -218,12 +217,7 @@ def mixed_loss(params, tokens, answers, kl_weight, *, mc, slots, alignment):
     accuracy = correct.sum() / jnp.maximum(valid.sum(), 1)
     kl = jnp.zeros((), jnp.float32)
     if alignment is not None:
-        sparse = alignment.mode == "sparse"
-        kl = jnp.mean(jnp.stack([
-            nsa_jax.selection_alignment_loss(block["attn"], a, mc.nsa, alignment=alignment,
-                                             backend=mc.backend,
-                                             block_idx=aux["block_idx"] if sparse else None)
-            for block, (a, aux) in zip(params["blocks"], layers)]))
+        kl = train_aligned.alignment_kl(params, layers, mc, alignment)
     return task_loss + kl_weight * kl, (task_loss, kl, accuracy)
 
 

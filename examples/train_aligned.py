@@ -34,6 +34,18 @@ import nsa_jax
 from examples import train_recall
 
 
+def alignment_kl(params, layers, mc, alignment):
+    """The mean over the NSA layers of `nsa_jax.selection_alignment_loss`, from the layer inputs
+    and aux of `train_recall.forward(..., collect=True)` (sparse mode: each layer's own
+    selection)."""
+    sparse = alignment.mode == "sparse"
+    return jnp.mean(jnp.stack([
+        nsa_jax.selection_alignment_loss(block["attn"], a, mc.nsa, alignment=alignment,
+                                         backend=mc.backend,
+                                         block_idx=aux["block_idx"] if sparse else None)
+        for block, (a, aux) in zip(params["blocks"], layers)]))
+
+
 def aligned_loss(params, tokens, answers, kl_weight, *, mc, task, alignment):
     """Task loss + kl_weight x the mean alignment KL of the NSA layers.
     -> (loss, (task loss, KL, accuracy))."""
@@ -41,12 +53,7 @@ def aligned_loss(params, tokens, answers, kl_weight, *, mc, task, alignment):
     logits = train_recall.logits_at(params, h[:, tokens.shape[1] - task.tail::2])
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     nll = -jnp.take_along_axis(logp, answers[..., None], axis=-1).mean()
-    sparse = alignment.mode == "sparse"
-    kl = jnp.mean(jnp.stack([
-        nsa_jax.selection_alignment_loss(block["attn"], a, mc.nsa, alignment=alignment,
-                                         backend=mc.backend,
-                                         block_idx=aux["block_idx"] if sparse else None)
-        for block, (a, aux) in zip(params["blocks"], layers)]))
+    kl = alignment_kl(params, layers, mc, alignment)
     accuracy = (jnp.argmax(logits, -1) == answers).mean()
     return nll + kl_weight * kl, (nll, kl, accuracy)
 
