@@ -196,6 +196,11 @@ class ModelConfig:
     # "xla" or "cudnn" (its `implementation`), or "fa3" (`flash_attn3_jax.flash_mha`, bf16 /
     # fp16 on Hopper). cuDNN and FA-3 take d_v = d_k only.
     dense_kernel: Optional[str] = None
+    # A token shift before each attention (as RWKV's): per channel c, the layer input becomes
+    # a_t + mix_c * (a_{t-1} - a_t), mix learned and initialised to a ramp over [0, 1], so a
+    # position's keys can hold the token before it and recall takes one attention hop instead
+    # of an induction circuit of two layers (examples/RECALL_NOTES.md). No decode path.
+    token_shift: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +315,8 @@ def init_model(key: jax.Array, mc: ModelConfig, variant: Variant = Variant()) ->
             "mlp": {"w1": _normal(next(keys), (D, mc.mlp_ratio * D), D ** -0.5),
                     "w2": _normal(next(keys), (mc.mlp_ratio * D, D), (mc.mlp_ratio * D) ** -0.5)},
         })
+        if mc.token_shift:
+            blocks[-1]["shift_mix"] = jnp.linspace(0.0, 1.0, D)
     params = {"embed": _normal(next(keys), (mc.vocab_size, D), 1.0), "blocks": blocks,
               "norm_f": jnp.ones((D,)), "head": _normal(next(keys), (D, mc.vocab_size), D ** -0.5)}
     if mc.attention == "nsa" and variant.dense_init:
@@ -380,6 +387,16 @@ def dense_attention(attn: dict, x: jax.Array, mc: ModelConfig) -> jax.Array:
     return o.reshape(B, T, cfg.n_heads * cfg.d_v) @ attn["wo"]
 
 
+def attention_input(blk: dict, h: jax.Array) -> jax.Array:
+    """The normed layer input `[B, T, D]` the attention reads, token-shifted where the model
+    has a shift (`ModelConfig.token_shift`)."""
+    a = rms_norm(h, blk["norm1"])
+    if "shift_mix" not in blk:
+        return a
+    prev = jnp.pad(a[:, :-1], ((0, 0), (1, 0), (0, 0)))
+    return a + blk["shift_mix"].astype(a.dtype) * (prev - a)
+
+
 def mlp(p: dict, x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x @ p["w1"]) @ p["w2"]
 
@@ -397,7 +414,7 @@ def forward(params: dict, tokens: jax.Array, mc: ModelConfig, collect: bool = Fa
     h = params["embed"][tokens]
     layers = []
     for i, blk in enumerate(params["blocks"]):
-        a = rms_norm(h, blk["norm1"])
+        a = attention_input(blk, h)
         if mc.attention == "nsa":
             backend = mc.backend if layer_backends is None else layer_backends[i]
             y, aux = nsa_jax.nsa_attention(blk["attn"], a, mc.nsa, backend=backend,
@@ -705,6 +722,9 @@ def generate(params: dict, prompt: jax.Array, n_new: int, mc: ModelConfig,
              decode_backend: str) -> tuple[jax.Array, jax.Array]:
     """Greedy: prefill `prompt [B, P]` into one cache per layer, then `decode_step` per token.
     -> (tokens int32 `[B, n_new]`, the logits that chose them `[B, n_new, V]`)."""
+    if mc.token_shift:
+        raise ValueError("generate: a model with a token shift has no decode path "
+                         "(ModelConfig.token_shift)")
     B, P = prompt.shape
     caches = [nsa_jax.init_cache(mc.nsa, B, P + n_new) for _ in params["blocks"]]
     logits, caches = _prefill_model(params, prompt, caches, mc=mc)
@@ -840,7 +860,7 @@ def train_run(run: Run, args, vocab: Vocab, limit_s: float, log) -> tuple[list, 
             summary.update(ablation)
             log(f"  {task.name:6s} {run.label:18s} key blocks out of the selection: " + "  ".join(
                 f"{k} {v:.3f}" for k, v in ablation.items()))
-        if args.gen_tokens > 0:
+        if args.gen_tokens > 0 and not mc.token_shift:
             gen = check_generation(params, {k: v[:args.gen_batch] for k, v in eval_batch.items()},
                                    task, mc, args.gen_tokens, args.decode_backend)
             summary.update(gen)
@@ -965,6 +985,9 @@ def parse_args(argv=None):
                              "the selection of the first, the last and every layer, at every "
                              "query, at the answers' positions or elsewhere (acc_excl_* "
                              "columns, `ABLATIONS`)")
+    parser.add_argument("--token_shift", action="store_true",
+                        help="a learned token shift before each attention (ModelConfig."
+                             "token_shift); no generation check then")
     parser.add_argument("--gen_tokens", type=int, default=4,
                         help="greedy tokens generated through the decode cache (0: no check)")
     for name, value in PRESETS["gpu"].items():
@@ -1015,7 +1038,8 @@ def build_runs(args) -> tuple[list[Run], Vocab]:
                         else [Variant()])
             for variant in variants:
                 mc = ModelConfig(attention, variant_cfg(cfg, variant), vocab.size,
-                                 n_layers=args.n_layers, backend=backend)
+                                 n_layers=args.n_layers, backend=backend,
+                                 token_shift=getattr(args, "token_shift", False))
                 runs.append(Run(tasks[name], mc, variant))
     return runs, vocab
 
