@@ -46,6 +46,31 @@ def test_batches_hide_every_key_beyond_the_window():
             assert (context[b] == key).sum() == 1
 
 
+def test_token_shift_mixes_each_channel_with_the_previous_token_and_keeps_causality():
+    cfg = NSAConfig.tiny(d_v=16)
+    mc = train_recall.ModelConfig("full", cfg, vocab_size=40, token_shift=True)
+    params = train_recall.init_model(jax.random.PRNGKey(0), mc)
+    blk = params["blocks"][0]
+    mix = np.asarray(blk["shift_mix"], np.float64)
+    assert mix[0] == 0.0 and mix[-1] == 1.0  # the ramp: from this token's to the previous one's
+    h = jax.random.normal(jax.random.PRNGKey(1), (2, 24, cfg.d_model))
+    a = np.asarray(train_recall.rms_norm(h, blk["norm1"]), np.float64)
+    prev = np.concatenate([np.zeros_like(a[:, :1]), a[:, :-1]], axis=1)
+    np.testing.assert_allclose(train_recall.attention_input(blk, h), (1 - mix) * a + mix * prev,
+                               rtol=RTOL, atol=RTOL)
+    # A later token changes no earlier position's output.
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 40, (1, 24)), jnp.int32)
+    out = train_recall.forward(params, tokens, mc)
+    changed = train_recall.forward(params, tokens.at[0, 15].set((tokens[0, 15] + 1) % 40), mc)
+    np.testing.assert_allclose(out[:, :15], changed[:, :15], rtol=RTOL, atol=RTOL)
+    assert not np.allclose(out[:, 15], changed[:, 15])
+    # Without the shift the layer reads the normed input, and generation refuses the shift.
+    plain = {k: v for k, v in blk.items() if k != "shift_mix"}
+    np.testing.assert_allclose(train_recall.attention_input(plain, h), a, rtol=RTOL, atol=RTOL)
+    with pytest.raises(ValueError, match="token shift"):
+        train_recall.generate(params, tokens[:, :8], 2, mc, "xla")
+
+
 def test_window_baseline_is_nsa_window_branch():
     cfg = NSAConfig.tiny(d_v=16)
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)

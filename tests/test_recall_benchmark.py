@@ -160,9 +160,11 @@ def test_tiny_launch_trains_aligns_and_reports(tmp_path):
 def test_the_gpu_schedule_is_the_reported_setting_and_scales_with_steps(tmp_path):
     _, rest = rb.parse_args(["--out", str(tmp_path)])
     args = rb.recall_args(rest, str(tmp_path))
-    assert (args.steps, args.curriculum, args.lr, args.T) == (2000, "512:1000,1024:1500", 1e-3,
-                                                              2048)
-    _, rest = rb.parse_args(["--out", str(tmp_path), "--steps=4000"])
-    assert rb.recall_args(rest, str(tmp_path)).curriculum == "512:2000,1024:3000"
+    assert (args.steps, args.curriculum, args.lr, args.T, args.token_shift) == (
+        4500, "512:2250,1024:3375", 1e-3, 2048, True)
+    _, rest = rb.parse_args(["--out", str(tmp_path), "--steps=9000"])
+    assert rb.recall_args(rest, str(tmp_path)).curriculum == "512:4500,1024:6750"
     _, rest = rb.parse_args(["--out", str(tmp_path), "--steps", "4000", "--curriculum", "1024:10"])
     assert rb.recall_args(rest, str(tmp_path)).curriculum == "1024:10"
+    _, rest = rb.parse_args(["--out", str(tmp_path), "--no_token_shift"])
+    assert not rb.recall_args(rest, str(tmp_path)).token_shift
