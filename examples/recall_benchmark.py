@@ -18,7 +18,10 @@ Models (`MODELS`): `full` (causal attention), `window` (NSA's sliding window alo
 warm-up for `--dense_frac` of the steps, then sparse, `--kl_weight` x the layers' mean
 `nsa_jax.selection_alignment_loss` throughout), and `nsa_warmup` (the warm-up without the loss,
 its ablation). Every model of a seed starts from the same draw (`train_recall.init_model`,
-paired) and sees the same batches.
+paired) and sees the same batches. Every model has a token shift before each attention
+(`train_recall.ModelConfig.token_shift`; `--no_token_shift`: none): a key vector can carry the
+token before it, so recall is one attention hop, and full attention solves every task in the
+gpu schedule (examples/RECALL_NOTES.md).
 
 The loss is the mean over sequences of the mean cross-entropy of their answers. The curriculum
 (`--curriculum`, as train_recall's) trains short sequences first with `--tokens_per_step`
