@@ -31,7 +31,9 @@ Runs go to `--jobs` worker processes at a time (on a GPU host spread over its GP
 process holding its share of GPU memory); each writes `<out>/<model>_s<seed>/` (`curves.csv`,
 `run.json`, `log.txt`). Then the report: `results.md` (accuracy per model and task, mean and
 range over seeds and the gap to full attention on the same seeds; when runs stopped at
-different steps, the same at the last evaluation all of them reached; and per run),
+different steps, the same at the last evaluation all of them reached; per run; and how much
+neighbouring queries' selections overlap in the trained NSA models, the statistic of the
+prefill benchmark's selection workloads, `bench/workloads.py`),
 `summary.csv` (a row per run) and `curves.png` (accuracy per task, alignment KL and selection
 hit rates against steps).
 """
@@ -352,6 +354,9 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
                    compile_s=round(compile_s, 2), kl=final["kl"] if recipe == "kl" else None,
                    finite=math.isfinite(final["train_loss"]),
                    **{k: v for k, v in final.items() if k.startswith("acc_") or "_hit_" in k})
+    if attention == "nsa":
+        tokens = evals[max(evals, key=lambda task: task.n_pairs)][0]
+        summary.update(selection_overlap(params, tokens[:OVERLAP_ROWS], mc))
     common.write_csv(os.path.join(out, "curves.csv"), rows, list(rows[-1]))
     common.write_environment(os.path.join(out, "run.json"), dict(
         summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
@@ -360,6 +365,29 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
         kl_mode=args.kl_mode if recipe == "kl" else None, recall_args=vars(rargs),
         nsa=dataclasses.asdict(mc.nsa)))
     return summary
+
+
+OVERLAP_ROWS = 16  # evaluation sequences whose selections give the overlap statistics
+
+
+def selection_overlap(params, tokens, mc) -> dict:
+    """How much neighbouring queries' selections overlap in the trained model, per layer, on
+    `tokens [B, T]`: `l{i}_sel_shared`, `l{i}_sel_jaccard` and `l{i}_sel_tile_union`
+    (`bench.workloads.overlap_stats`, the statistics of the prefill benchmark's selection
+    workloads), over the queries past the first n_sel blocks (before them every eligible block
+    is selected)."""
+    import numpy as np
+
+    from bench import workloads
+    from examples import train_recall
+
+    _, layers = train_recall.forward(params, tokens, mc, collect=True)
+    first = mc.nsa.n_sel * mc.nsa.sel_block
+    out = {}
+    for i, (_, aux) in enumerate(layers):
+        stats = workloads.overlap_stats(np.asarray(aux["block_idx"]), first=first)
+        out.update({f"l{i}_sel_{name}": value for name, value in stats.items()})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,11 +532,37 @@ def report(out: str) -> str:
         text.append(f"| {r['model']} | {r['seed']} | {s['steps']} | {int(last['T'])} | "
                     + " | ".join(f"{s[f'acc_{t}']:.3f}" for t in tasks)
                     + f" | {common._cell(s.get('kl'))} | {s['ms_per_step']:.1f} |")
+    text += overlap_table(runs, models)
     body = "\n".join(text)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(f"# Recall benchmark\n\n{body}\n")
     plot(os.path.join(out, "curves.png"), runs, tasks, models)
     return body
+
+
+def overlap_table(runs: list[dict], models: list[str]) -> list[str]:
+    """Lines of a table of the NSA models' selection overlap per layer, mean (range) over
+    seeds; none when no run has it."""
+    n_layers = runs[0]["recall_args"]["n_layers"]
+    rows = []
+    for m in models:
+        have = [r["summary"] for r in runs
+                if r["model"] == m and "l0_sel_shared" in r["summary"]]
+        for i in range(n_layers if have else 0):
+            cells = []
+            for name, fmt in (("shared", "{:.3f}"), ("jaccard", "{:.3f}"), ("tile_union", "{:.1f}")):
+                values = [s[f"l{i}_sel_{name}"] for s in have]
+                cells.append(f"{fmt.format(sum(values) / len(values))} "
+                             f"({fmt.format(min(values))}-{fmt.format(max(values))})")
+            rows.append(f"| {m} | {i} | {len(have)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "Selection overlap of the trained NSA models on the evaluation's longest task, "
+            "past the first n_sel blocks (`bench/workloads.py`): shared = mean share of a "
+            "query's blocks the next query selects too; tile union = distinct blocks per 64 "
+            "consecutive queries. Mean (range) over seeds:", "",
+            "| model | layer | seeds | shared | jaccard | tile union |", "|---|---|---|---|---|---|",
+            *rows]
 
 
 def plot(path: str, runs: list[dict], tasks: list[str], models: list[str]) -> None:

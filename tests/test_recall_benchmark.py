@@ -98,9 +98,9 @@ def test_bad_flags_are_named(tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def _fake_run(out, model, seed, accs, steps):
+def _fake_run(out, model, seed, accs, steps, overlap=None):
     """A finished run's files: evaluations every 2 steps up to `steps`, accuracy accs[i] on
-    both tasks at the i-th."""
+    both tasks at the i-th; `overlap`: (shared, jaccard, tile union) of layer 0."""
     folder = out / f"{model}_s{seed}"
     folder.mkdir()
     curves = [dict(model=model, seed=seed, step=2 * (i + 1), T=64, stage="sparse",
@@ -112,6 +112,9 @@ def _fake_run(out, model, seed, accs, steps):
         writer.writerows(curves)
     summary = dict(model=model, seed=seed, steps=steps, acc_needle=accs[-1], acc_mqar4=accs[-1],
                    kl=None, ms_per_step=1.0, train_s=1.0, compile_s=0.0, finite=True)
+    if overlap is not None:
+        summary.update(l0_sel_shared=overlap[0], l0_sel_jaccard=overlap[1],
+                       l0_sel_tile_union=overlap[2])
     with open(folder / "run.json", "w") as f:
         json.dump(dict(summary=summary, model=model, seed=seed, recipe=None, pairs=[1, 4],
                        recall_args=dict(T=64, steps=8, n_layers=1),
@@ -121,9 +124,11 @@ def _fake_run(out, model, seed, accs, steps):
 def test_report_compares_runs_at_a_step_all_reached(tmp_path):
     _fake_run(tmp_path, "full", 1, [0.5, 0.8, 0.9, 1.0], 8)
     _fake_run(tmp_path, "full", 2, [0.4, 0.6, 0.8, 1.0], 8)
-    _fake_run(tmp_path, "nsa", 1, [0.3, 0.7, 0.75], 5)   # stopped by its budget at step 5
-    _fake_run(tmp_path, "nsa", 2, [0.2, 0.5, 0.6, 0.9], 8)
+    _fake_run(tmp_path, "nsa", 1, [0.3, 0.7, 0.75], 5,   # stopped by its budget at step 5
+              overlap=(0.5, 0.4, 20.0))
+    _fake_run(tmp_path, "nsa", 2, [0.2, 0.5, 0.6, 0.9], 8, overlap=(0.7, 0.6, 30.0))
     text = rb.report(str(tmp_path))
+    assert "| nsa | 0 | 2 | 0.600 (0.500-0.700) | 0.500 (0.400-0.600) | 25.0 (20.0-30.0) |" in text
     final, common = text.split("At step 4,")
     # Last evaluations: nsa seeds at 0.75 / 0.9 against full's 1.0 / 1.0.
     assert "| nsa | 2 | 0.825 (0.750-0.900), -17.5 pt |" in final
@@ -133,6 +138,23 @@ def test_report_compares_runs_at_a_step_all_reached(tmp_path):
     assert "| nsa | 1 | 5 | 64 | 0.750 | 0.750 | - | 1.0 |" in text
     for name in ("results.md", "summary.csv", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_selection_overlap_is_the_workload_statistic_of_each_layers_selection():
+    cfg = _cfg()
+    mc = train_recall.ModelConfig("nsa", cfg, vocab_size=200, n_layers=2, token_shift=True)
+    params = train_recall.init_model(jax.random.PRNGKey(3), mc)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 200, (2, 160)), jnp.int32)
+    stats = rb.selection_overlap(params, tokens, mc)
+    _, layers = train_recall.forward(params, tokens, mc, collect=True)
+    for i, (_, aux) in enumerate(layers):
+        idx = np.asarray(aux["block_idx"])[:, cfg.n_sel * cfg.sel_block:]
+        # Brute force: per sequence, KV head and consecutive rows, the shared blocks / n_sel.
+        shared = [len(set(a[a >= 0]) & set(b[b >= 0])) / cfg.n_sel
+                  for seq in idx for t in range(idx.shape[1] - 1)
+                  for a, b in zip(seq[t], seq[t + 1])]
+        assert stats[f"l{i}_sel_shared"] == pytest.approx(np.mean(shared))
+        assert 0 < stats[f"l{i}_sel_jaccard"] <= 1
 
 
 def test_report_names_an_empty_folder(tmp_path):
