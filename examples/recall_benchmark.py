@@ -124,6 +124,10 @@ def parse_args(argv=None):
     parser.add_argument("--gpus", default=None,
                         help="comma list of GPU ids the jobs spread over (default: every GPU "
                              "nvidia-smi lists; none: the workers share the default device)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the runs in --out that a budget or a crash stopped, from "
+                             "the state each saved (state.pkl); finished runs are left as they "
+                             "are")
     parser.add_argument("--report_only", action="store_true",
                         help="only the report from the runs already in --out")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # a worker: model:seed
@@ -299,7 +303,19 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     step_fn = _train_step()
     rows, t_begin, train_s, compile_s, timed = [], time.perf_counter(), 0.0, 0.0, 0
     losses, kls, accs, prev_key = [], [], [], None
-    for step in range(rargs.steps):
+    start = 0
+    state_path = os.path.join(out, STATE_FILE)
+    if args.resume and os.path.exists(state_path):
+        state = load_state(state_path)
+        start, rows, train_s, compile_s, timed = (state["step"], state["rows"], state["train_s"],
+                                                  state["compile_s"], state["timed"])
+        params = jax.tree_util.tree_map(jnp.asarray, state["params"])
+        opt_state = jax.tree_util.tree_map(jnp.asarray, state["opt_state"])
+        data_rng.bit_generator.state = state["data_rng"]
+        print(f"resumed at step {start}", flush=True)
+    if start >= rargs.steps:
+        raise ValueError(f"{state_path}: the run already has its {rargs.steps} steps")
+    for step in range(start, rargs.steps):
         T = train_recall.length_at(step, stages, rargs.T)
         dense = step < dense_steps
         stage_mc = (dataclasses.replace(mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T))
@@ -349,6 +365,15 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
             if not math.isfinite(row["train_loss"]) or last:
                 break
     final = rows[-1]
+    if final["step"] < rargs.steps and math.isfinite(final["train_loss"]):
+        # Stopped by the budget: what --resume continues from.
+        save_state(state_path, dict(step=final["step"], rows=rows, train_s=train_s,
+                                    compile_s=compile_s, timed=timed,
+                                    params=jax.device_get(params),
+                                    opt_state=jax.device_get(opt_state),
+                                    data_rng=data_rng.bit_generator.state))
+    elif os.path.exists(state_path):
+        os.remove(state_path)
     summary = dict(model=model, seed=seed, steps=final["step"], train_s=final["train_s"],
                    ms_per_step=1e3 * final["train_s"] / max(1, timed),
                    compile_s=round(compile_s, 2), kl=final["kl"] if recipe == "kl" else None,
@@ -390,6 +415,33 @@ def selection_overlap(params, tokens, mc) -> dict:
     return out
 
 
+STATE_FILE = "state.pkl"  # a stopped run's parameters, optimizer and data stream
+
+
+def save_state(path: str, state: dict) -> None:
+    import pickle
+
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(state, f)
+    os.replace(path + ".tmp", path)
+
+
+def load_state(path: str) -> dict:
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def finished(out: str, steps: int) -> bool:
+    """Whether the run in `out` has all its `steps` (its run.json says so)."""
+    try:
+        with open(os.path.join(out, "run.json")) as f:
+            return json.load(f)["summary"]["steps"] >= steps
+    except (OSError, KeyError, ValueError):
+        return False
+
+
 # ---------------------------------------------------------------------------------------------
 # Many runs
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +465,10 @@ def launch(args, rest: list[str]) -> list[str]:
     cost = {m: i for i, m in enumerate(("nsa_aligned", "nsa_warmup", "nsa", "full", "window"))}
     runs = sorted(((m, s) for s in args.seed_list for m in args.model_list),
                   key=lambda run: (cost[run[0]], run[1]))
+    if args.resume:
+        steps = recall_args(rest, args.out).steps
+        runs = [(m, s) for m, s in runs
+                if not finished(os.path.join(args.out, f"{m}_s{s}"), steps)]
     gpus = visible_gpus(args.gpus)
     per_gpu = math.ceil(args.jobs / max(1, len(gpus)))
     script = os.path.abspath(__file__)
@@ -431,8 +487,8 @@ def launch(args, rest: list[str]) -> list[str]:
                 "--pairs", ",".join(map(str, args.pairs)),
                 "--tokens_per_step", str(args.tokens_per_step),
                 "--dense_frac", str(args.dense_frac), "--kl_weight", str(args.kl_weight),
-                "--kl_mode", args.kl_mode] + rest
-        with open(os.path.join(out, "log.txt"), "w") as log:
+                "--kl_mode", args.kl_mode] + (["--resume"] if args.resume else []) + rest
+        with open(os.path.join(out, "log.txt"), "a" if args.resume else "w") as log:
             rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
         if rc != 0:
             with open(os.path.join(out, "log.txt")) as f:

@@ -179,6 +179,31 @@ def test_tiny_launch_trains_aligns_and_reports(tmp_path):
     assert "| nsa_aligned | 1 |" in text and "mqar2" in text
 
 
+def test_a_stopped_run_resumes_where_it_stopped(tmp_path):
+    # Stopped by its budget after the first step, then resumed: every step's loss and the
+    # final accuracies are those of the run that was never stopped (CPU: deterministic).
+    flags = ["--preset", "smoke", "--models", "nsa_aligned", "--seeds", "1", "--pairs", "1,2",
+             "--steps", "4", "--eval_every", "1", "--dense_frac", "0.5", "--gpus", "none"]
+    assert rb.main(flags + ["--out", str(tmp_path / "whole")]) == 0
+    assert rb.main(flags + ["--out", str(tmp_path / "parts"), "--budget_s", "0"]) == 0
+    run = tmp_path / "parts" / "nsa_aligned_s1"
+    assert (run / rb.STATE_FILE).exists()
+    assert json.loads((run / "run.json").read_text())["summary"]["steps"] == 1
+    assert rb.main(flags + ["--out", str(tmp_path / "parts"), "--resume"]) == 0
+    assert not (run / rb.STATE_FILE).exists()
+    assert "resumed at step 1" in (run / "log.txt").read_text()
+
+    def curve(out):
+        with open(out / "nsa_aligned_s1" / "curves.csv", newline="") as f:
+            return [{k: r[k] for k in ("step", "stage", "train_loss", "kl", "acc_needle",
+                                       "acc_mqar2")} for r in csv.DictReader(f)]
+
+    assert curve(tmp_path / "parts") == curve(tmp_path / "whole")
+    # A finished run is left alone.
+    assert rb.main(flags + ["--out", str(tmp_path / "parts"), "--resume"]) == 0
+    assert "resumed" not in (run / "log.txt").read_text().split("resumed at step 1", 1)[1]
+
+
 def test_the_gpu_schedule_is_the_reported_setting_and_scales_with_steps(tmp_path):
     _, rest = rb.parse_args(["--out", str(tmp_path)])
     args = rb.recall_args(rest, str(tmp_path))
