@@ -125,9 +125,9 @@ def parse_args(argv=None):
                         help="comma list of GPU ids the jobs spread over (default: every GPU "
                              "nvidia-smi lists; none: the workers share the default device)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue the runs in --out that a budget or a crash stopped, from "
+                        help="continue the runs in --out that their --budget_s stopped, from "
                              "the state each saved (state.pkl); finished runs are left as they "
-                             "are")
+                             "are, runs without a saved state start again")
     parser.add_argument("--report_only", action="store_true",
                         help="only the report from the runs already in --out")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # a worker: model:seed
@@ -606,7 +606,8 @@ def overlap_table(runs: list[dict], models: list[str]) -> list[str]:
                 if r["model"] == m and "l0_sel_shared" in r["summary"]]
         for i in range(n_layers if have else 0):
             cells = []
-            for name, fmt in (("shared", "{:.3f}"), ("jaccard", "{:.3f}"), ("tile_union", "{:.1f}")):
+            for name, fmt in (("shared", "{:.3f}"), ("jaccard", "{:.3f}"),
+                              ("tile_union", "{:.1f}")):
                 values = [s[f"l{i}_sel_{name}"] for s in have]
                 cells.append(f"{fmt.format(sum(values) / len(values))} "
                              f"({fmt.format(min(values))}-{fmt.format(max(values))})")
@@ -617,8 +618,8 @@ def overlap_table(runs: list[dict], models: list[str]) -> list[str]:
             "past the first n_sel blocks (`bench/workloads.py`): shared = mean share of a "
             "query's blocks the next query selects too; tile union = distinct blocks per 64 "
             "consecutive queries. Mean (range) over seeds:", "",
-            "| model | layer | seeds | shared | jaccard | tile union |", "|---|---|---|---|---|---|",
-            *rows]
+            "| model | layer | seeds | shared | jaccard | tile union |",
+            "|---|---|---|---|---|---|", *rows]
 
 
 def plot(path: str, runs: list[dict], tasks: list[str], models: list[str]) -> None:
