@@ -33,8 +33,8 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402  (sets the allocator environment before jax loads)
 
 PIECES = ("loss", "target", "lse", "kl")
-COLUMNS = ["T", "mode", "query_stride", "piece", "status", "ms", "ms_min", "ms_max", "share_of_loss", "note",
-           "backend", "dtype", "device", "commit"]
+COLUMNS = ["T", "mode", "query_stride", "piece", "status", "ms", "ms_min", "ms_max",
+           "share_of_loss", "note", "backend", "dtype", "device", "commit"]
 
 
 def prepare(args, T: int) -> dict[str, Any]:
@@ -73,9 +73,7 @@ def piece_functions(args, arrays: dict[str, Any]) -> dict[str, tuple]:
     options = nsa_jax.AlignmentOptions(mode=args.mode, query_stride=args.query_stride)
     sparse = args.mode == "sparse"
     block_idx = arrays["block_idx"] if sparse else None
-    T, stride = arrays["x"].shape[1], args.query_stride
-    # The queries the loss keeps (AlignmentOptions.query_stride); None: every query.
-    rows = jnp.arange(stride - 1, T, stride, dtype=jnp.int32) if stride > 1 else None
+    rows = al.query_rows(arrays["x"].shape[1], args.query_stride)  # None: every query
 
     def loss(params, x):
         return nsa_jax.selection_alignment_loss(params, x, cfg, alignment=options,

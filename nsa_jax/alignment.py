@@ -135,6 +135,14 @@ class AlignmentOptions:
         checks.positive_int("query_stride", self.query_stride)
 
 
+def query_rows(T: int, query_stride: int) -> Optional[jax.Array]:
+    """The tokens whose queries a loss with `query_stride` s keeps: int32 `[s-1, 2s-1, ...]`
+    below T (empty when T < s); None when s is 1 (every query)."""
+    if query_stride == 1:
+        return None
+    return jnp.arange(query_stride - 1, T, query_stride, dtype=jnp.int32)
+
+
 def dense_warmup_config(cfg: NSAConfig, seq_len: int) -> NSAConfig:
     """The dense warm-up stage's configuration: `cfg` with `n_sel` = the selection blocks of
     `seq_len` tokens (at least `cfg.n_sel`), so that the layer selects every eligible block and
@@ -201,14 +209,11 @@ def _loss_unchecked(params, x, cu_seqlens, block_idx, *, cfg: NSAConfig,
             block_idx = dispatch.call("select_blocks", backend, q_fixed,
                                       lax.stop_gradient(k_cmp), cfg, scale=cfg.scale,
                                       segments=segments, options=options)
-        rows = None
-        if alignment.query_stride > 1:
-            s = alignment.query_stride
-            if T < s:   # no query kept: nothing to rank
-                dtype = compute_dtype(x.dtype)
-                return (jnp.zeros((), dtype), jnp.zeros((B, T, cfg.n_kv_heads), dtype),
-                        jnp.zeros((B, T, cfg.n_kv_heads), bool))
-            rows = jnp.arange(s - 1, T, s, dtype=jnp.int32)
+        rows = query_rows(T, alignment.query_stride)
+        if rows is not None and rows.size == 0:   # no query kept: nothing to rank
+            dtype = compute_dtype(x.dtype)
+            return (jnp.zeros((), dtype), jnp.zeros((B, T, cfg.n_kv_heads), dtype),
+                    jnp.zeros((B, T, cfg.n_kv_heads), bool))
         log_target = lax.stop_gradient(target_log_probs(
             q_fixed, proj["k_sel"], cfg, segments=segments, block_idx=block_idx,
             alignment=alignment, backend=backend, options=options, rows=rows))
