@@ -16,7 +16,8 @@ rest, and every key lies beyond the window and NSA's forced blocks of every slot
 Models (`MODELS`): `full` (causal attention), `window` (NSA's sliding window alone), `nsa`
 (the library's defaults), `nsa_aligned` (the selection-alignment recipe of docs/API.md: a dense
 warm-up for `--dense_frac` of the steps, then sparse, `--kl_weight` x the layers' mean
-`nsa_jax.selection_alignment_loss` throughout), and `nsa_warmup` (the warm-up without the loss,
+`nsa_jax.selection_alignment_loss` throughout), `nsa_aligned_s16` (the same with the loss over
+every 16th query, its cheaper form at long T), and `nsa_warmup` (the warm-up without the loss,
 its ablation). Every model of a seed starts from the same draw (`train_recall.init_model`,
 paired) and sees the same batches. Every model has a token shift before each attention
 (`train_recall.ModelConfig.token_shift`; `--no_token_shift`: none): a key vector can carry the
@@ -49,15 +50,18 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# name -> (attention, alignment recipe: None, "kl" (warm-up + loss) or "warmup" (warm-up only))
-MODELS = {"full": ("full", None), "window": ("window", None), "nsa": ("nsa", None),
-          "nsa_aligned": ("nsa", "kl"), "nsa_warmup": ("nsa", "warmup")}
+# name -> (attention, alignment recipe: None, "kl" (warm-up + loss) or "warmup" (warm-up only),
+# the loss's query stride: every s-th query enters it, `nsa_jax.AlignmentOptions.query_stride`)
+MODELS = {"full": ("full", None, 1), "window": ("window", None, 1), "nsa": ("nsa", None, 1),
+          "nsa_aligned": ("nsa", "kl", 1), "nsa_aligned_s16": ("nsa", "kl", 16),
+          "nsa_warmup": ("nsa", "warmup", 1)}
 DEFAULT_MODELS = "full,window,nsa,nsa_aligned"
 TASK_NAMES = {1: "needle"}
 
@@ -281,7 +285,7 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
 
     os.makedirs(out, exist_ok=True)
     rargs = recall_args(rest, out)
-    attention, recipe = MODELS[model]
+    attention, recipe, query_stride = MODELS[model]
     rargs.models = attention
     (run,), vocab = train_recall.build_runs(rargs)
     mc = run.mc
@@ -320,7 +324,8 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
         dense = step < dense_steps
         stage_mc = (dataclasses.replace(mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T))
                     if dense else mc)
-        alignment = (nsa_jax.AlignmentOptions(mode="dense" if dense else args.kl_mode)
+        alignment = (nsa_jax.AlignmentOptions(mode="dense" if dense else args.kl_mode,
+                                              query_stride=query_stride)
                      if recipe == "kl" else None)
         B = max(1, args.tokens_per_step // T)
         batch = mixed_batch(data_rng, args.pairs, vocab, B, T, mc.nsa, slots)
@@ -387,7 +392,8 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
         summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
         tokens_per_step=args.tokens_per_step, dense_steps=dense_steps,
         kl_weight=args.kl_weight if recipe == "kl" else None,
-        kl_mode=args.kl_mode if recipe == "kl" else None, recall_args=vars(rargs),
+        kl_mode=args.kl_mode if recipe == "kl" else None,
+        query_stride=query_stride if recipe == "kl" else None, recall_args=vars(rargs),
         nsa=dataclasses.asdict(mc.nsa)))
     return summary
 
@@ -456,13 +462,39 @@ def visible_gpus(text: Optional[str]) -> list[str]:
     return [str(i) for i, line in enumerate(listing.splitlines()) if line.startswith("GPU")]
 
 
+MIN_RUN_S = 60.0  # a run needs about this long to compile and reach its first steps
+
+
+class GpuSlots:
+    """Which GPU a new worker takes: the one running the fewest workers now (the first such in
+    the list), so that a GPU freed by short runs gets the next one. Thread-safe; no GPUs: None."""
+
+    def __init__(self, gpus: list[str]):
+        self.running = {g: 0 for g in gpus}
+        self.lock = threading.Lock()
+
+    def take(self) -> Optional[str]:
+        with self.lock:
+            if not self.running:
+                return None
+            gpu = min(self.running, key=self.running.get)
+            self.running[gpu] += 1
+            return gpu
+
+    def give_back(self, gpu: Optional[str]) -> None:
+        if gpu is not None:
+            with self.lock:
+                self.running[gpu] -= 1
+
+
 def launch(args, rest: list[str]) -> list[str]:
     """Every (model, seed) run in a worker process, `--jobs` at a time, spread over the GPUs.
     -> the failures (one line each)."""
     from bench import common
 
     # The costliest models first, so that the last runs to start are short ones.
-    cost = {m: i for i, m in enumerate(("nsa_aligned", "nsa_warmup", "nsa", "full", "window"))}
+    cost = {m: i for i, m in enumerate(("nsa_aligned", "nsa_aligned_s16", "nsa_warmup", "nsa",
+                                        "full", "window"))}
     runs = sorted(((m, s) for s in args.seed_list for m in args.model_list),
                   key=lambda run: (cost[run[0]], run[1]))
     if args.resume:
@@ -473,23 +505,39 @@ def launch(args, rest: list[str]) -> list[str]:
     per_gpu = math.ceil(args.jobs / max(1, len(gpus)))
     script = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(script))
+    slots = GpuSlots(gpus)
+    # --budget_s bounds the whole launch: a worker that starts late gets what is left of it,
+    # and where the budget was at least MIN_RUN_S, one with less than that left is not started
+    # (--resume starts it later).
+    budget, t_start = recall_args(rest, args.out).budget_s, time.perf_counter()
 
-    def work(i: int, model: str, seed: int) -> Optional[str]:
+    def work(model: str, seed: int) -> Optional[str]:
+        left = max(0.0, budget - (time.perf_counter() - t_start))
+        if budget >= MIN_RUN_S > left:
+            print(f"{model} seed {seed}: not started, {left:.0f} s of --budget_s left",
+                  flush=True)
+            return None
         out = os.path.join(args.out, f"{model}_s{seed}")
         os.makedirs(out, exist_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [root, os.environ.get("PYTHONPATH")])))
-        if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+        gpu = slots.take()
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
             # Each worker holds its share of the card instead of XLA's default 75%.
             env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / per_gpu:.3f}")
         argv = [sys.executable, script, "--run", f"{model}:{seed}", "--out", out,
                 "--pairs", ",".join(map(str, args.pairs)),
                 "--tokens_per_step", str(args.tokens_per_step),
                 "--dense_frac", str(args.dense_frac), "--kl_weight", str(args.kl_weight),
-                "--kl_mode", args.kl_mode] + (["--resume"] if args.resume else []) + rest
-        with open(os.path.join(out, "log.txt"), "a" if args.resume else "w") as log:
-            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+                "--kl_mode", args.kl_mode] + (["--resume"] if args.resume else []) + rest + [
+                "--budget_s", f"{left:.1f}"]
+        try:
+            with open(os.path.join(out, "log.txt"), "a" if args.resume else "w") as log:
+                rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env).returncode
+        finally:
+            slots.give_back(gpu)
         if rc != 0:
             with open(os.path.join(out, "log.txt")) as f:
                 tail = f.read()[-300:].replace("\n", " ")
@@ -498,7 +546,7 @@ def launch(args, rest: list[str]) -> list[str]:
 
     failures = []
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(work, i, m, s) for i, (m, s) in enumerate(runs)]
+        futures = [pool.submit(work, m, s) for m, s in runs]
         for future in common.progress(concurrent.futures.as_completed(futures),
                                       total=len(futures), desc="recall runs"):
             if future.result():

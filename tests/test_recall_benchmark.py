@@ -215,3 +215,41 @@ def test_the_gpu_schedule_is_the_reported_setting_and_scales_with_steps(tmp_path
     assert rb.recall_args(rest, str(tmp_path)).curriculum == "1024:10"
     _, rest = rb.parse_args(["--out", str(tmp_path), "--no_token_shift"])
     assert not rb.recall_args(rest, str(tmp_path)).token_shift
+
+
+def test_a_new_worker_takes_the_least_loaded_gpu():
+    slots = rb.GpuSlots(["0", "1"])
+    assert [slots.take() for _ in range(3)] == ["0", "1", "0"]
+    slots.give_back("1")  # GPU 1's run ended: the next worker goes there, not round-robin
+    assert slots.take() == "1"
+    slots.give_back("0")
+    slots.give_back("0")
+    assert slots.take() == "0" and slots.running == {"0": 1, "1": 1}
+    none = rb.GpuSlots([])
+    assert none.take() is None
+    none.give_back(None)
+
+
+def test_the_strided_recipe_passes_its_query_stride(tmp_path):
+    # The same draw and batches: only the loss's queries differ, so its KL does.
+    code = rb.main(["--preset", "smoke", "--models", "nsa_aligned,nsa_aligned_s16", "--seeds", "1",
+                    "--pairs", "1,2", "--steps", "2", "--eval_every", "2", "--dense_frac", "0.5",
+                    "--gpus", "none", "--out", str(tmp_path)])
+    assert code == 0
+    record = json.loads((tmp_path / "nsa_aligned_s16_s1" / "run.json").read_text())
+    every = json.loads((tmp_path / "nsa_aligned_s1" / "run.json").read_text())
+    assert record["query_stride"] == 16 and every["query_stride"] == 1
+    assert record["summary"]["kl"] > 0 and record["summary"]["kl"] != every["summary"]["kl"]
+
+
+def test_a_worker_starting_late_gets_what_is_left_of_the_budget(tmp_path, monkeypatch):
+    clock = iter([0.0, 5.0, 150.0])  # the launch starts, then two workers start one by one
+    monkeypatch.setattr(rb.time, "perf_counter", lambda: next(clock))
+    calls = []
+    monkeypatch.setattr(rb.subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        rb.subprocess.CompletedProcess(argv, 0))
+    args, rest = rb.parse_args(["--out", str(tmp_path), "--models", "full", "--seeds", "1,2",
+                                "--gpus", "none", "--budget_s", "200"])
+    assert rb.launch(args, rest) == []
+    assert len(calls) == 1  # the second had 50 s left, under MIN_RUN_S: not started
+    assert calls[0][-2:] == ["--budget_s", "195.0"]
