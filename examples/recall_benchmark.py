@@ -3,6 +3,8 @@
     PYTHONPATH=. python examples/recall_benchmark.py --out /tmp/rb         # all models, seeds 1-5
     PYTHONPATH=. python examples/recall_benchmark.py --models full --seeds 1 --out /tmp/rb
     PYTHONPATH=. python examples/recall_benchmark.py --report_only --out /tmp/rb   # report again
+    PYTHONPATH=. python examples/recall_benchmark.py --step_times 512,2048 \
+        --backends "pallas,xla;xla" --out /tmp/rb_steps              # ms per step, no training
     PYTHONPATH=. python examples/recall_benchmark.py --preset cpu --steps 300 --seeds 1 \
         --out /tmp/rb_cpu                                                 # CPU, T 256
 
@@ -106,6 +108,17 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def parse_steps(text: str, flag: str = "--report_steps") -> tuple:
+    """'2000,3500' -> (2000, 3500); '' -> ()."""
+    try:
+        steps = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        steps = (0,)
+    if any(step < 1 for step in steps):
+        raise ValueError(f"{flag} ({text!r}) must be positive integers like 2000,3500")
+    return steps
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], add_help=True)
     parser.add_argument("--out", required=True, help="output directory")
@@ -134,6 +147,15 @@ def parse_args(argv=None):
                              "are, runs without a saved state start again")
     parser.add_argument("--report_only", action="store_true",
                         help="only the report from the runs already in --out")
+    parser.add_argument("--report_steps", default="",
+                        help="comma list of steps: the report also compares the runs "
+                             "evaluated at each (for runs stopped at different steps)")
+    parser.add_argument("--step_times", default=None, metavar="LENGTHS",
+                        help="instead of training: time one training step of each model at "
+                             "these T (e.g. 512,2048) into <out>/step_times.csv")
+    parser.add_argument("--backends", default="pallas,xla",
+                        help="--step_times: the NSA dispatch backends to time, ';' between "
+                             "them (e.g. 'pallas,xla;xla')")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # a worker: model:seed
     args, rest = parser.parse_known_args(argv)
     if args.jobs < 1:
@@ -143,6 +165,8 @@ def parse_args(argv=None):
     try:
         args.pairs = parse_pairs(args.pairs)
         args.seed_list = parse_seeds(args.seeds)
+        args.report_steps = parse_steps(args.report_steps)
+        args.step_lengths = parse_steps(args.step_times or "", "--step_times")
     except ValueError as exc:
         parser.error(str(exc))
     args.model_list = [m for m in args.models.split(",") if m]
@@ -272,6 +296,21 @@ def check_lengths(stages, T: int, pairs, cfg) -> None:
                                  f"{exc}") from None
 
 
+def stage(model: str, mc, T: int, dense: bool, kl_mode: str):
+    """A training step's model config and alignment options at length T: in the dense warm-up
+    the selected branch attends to every block; the recipe's loss is on in both stages.
+    -> (ModelConfig, AlignmentOptions or None)."""
+    import nsa_jax
+
+    _, recipe, query_stride = MODELS[model]
+    stage_mc = (dataclasses.replace(mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T))
+                if dense else mc)
+    alignment = (nsa_jax.AlignmentOptions(mode="dense" if dense else kl_mode,
+                                          query_stride=query_stride)
+                 if recipe == "kl" else None)
+    return stage_mc, alignment
+
+
 def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     """Train `model` with `seed`; write curves.csv and run.json into `out`. -> the run's
     summary (final accuracy per task, KL, hit rates, time)."""
@@ -322,11 +361,7 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     for step in range(start, rargs.steps):
         T = train_recall.length_at(step, stages, rargs.T)
         dense = step < dense_steps
-        stage_mc = (dataclasses.replace(mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T))
-                    if dense else mc)
-        alignment = (nsa_jax.AlignmentOptions(mode="dense" if dense else args.kl_mode,
-                                              query_stride=query_stride)
-                     if recipe == "kl" else None)
+        stage_mc, alignment = stage(model, mc, T, dense, args.kl_mode)
         B = max(1, args.tokens_per_step // T)
         batch = mixed_batch(data_rng, args.pairs, vocab, B, T, mc.nsa, slots)
         lr = train_recall.learning_rate(step, rargs.lr, rargs.warmup, rargs.steps)
@@ -396,6 +431,63 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
         query_stride=query_stride if recipe == "kl" else None, recall_args=vars(rargs),
         nsa=dataclasses.asdict(mc.nsa)))
     return summary
+
+
+def step_times(args, rest: list[str], backends: list[str], lengths: list[int],
+               repeats: int = 20) -> list[dict]:
+    """ms per training step of each model in --models (every NSA `backends` entry for the NSA
+    ones; a recipe's dense warm-up and sparse stage apart) at each of `lengths` with the
+    benchmark's tokens per step, the runs' own step function (compile excluded; the mean of
+    `repeats` steps after one). Writes `<out>/step_times.csv`; -> the rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nsa_jax
+    from bench import common
+    from examples import train_recall
+
+    rows, step_fn, slots = [], _train_step(), max(args.pairs)
+    for model in args.model_list:
+        attention, recipe, query_stride = MODELS[model]
+        for backend in backends if attention == "nsa" else backends[:1]:
+            rargs = recall_args(rest + ["--backend", backend], args.out)
+            rargs.models = attention
+            (run,), vocab = train_recall.build_runs(rargs)
+            mc = run.mc
+            vocab = dataclasses.replace(vocab, n_keys=max(vocab.n_keys, slots))
+            params = train_recall.init_model(jax.random.PRNGKey(0), mc,
+                                             dataclasses.replace(run.variant, dense_init=True))
+            opt_state = train_recall.OPTIMIZER.init(params)
+            rng = np.random.default_rng(0)
+            for T in lengths:
+                for dense in (True, False) if recipe else (False,):
+                    stage_mc, alignment = stage(model, mc, T, dense, args.kl_mode)
+                    B = max(1, args.tokens_per_step // T)
+                    batch = mixed_batch(rng, args.pairs, vocab, B, T, mc.nsa, slots)
+                    inputs = (jnp.asarray(batch["tokens"]), jnp.asarray(batch["answers"]),
+                              jnp.float32(1e-3), jnp.float32(args.kl_weight))
+
+                    def step(p, o):
+                        return step_fn(p, o, *inputs, mc=stage_mc, slots=slots,
+                                       alignment=alignment)
+
+                    t0 = time.perf_counter()
+                    p, o, stats = step(params, opt_state)
+                    jax.block_until_ready(stats)
+                    compile_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    for _ in range(repeats):
+                        p, o, stats = step(p, o)
+                    jax.block_until_ready(stats)
+                    row = dict(model=model, backend=",".join(mc.backend) if attention == "nsa"
+                               else "-", T=T, batch=B, stage="dense" if dense else "sparse",
+                               ms_per_step=round((time.perf_counter() - t0) / repeats * 1e3, 3),
+                               compile_s=round(compile_s, 1))
+                    print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+                    rows.append(row)
+    common.write_csv(os.path.join(args.out, "step_times.csv"), rows, list(rows[0]))
+    return rows
 
 
 OVERLAP_ROWS = 16  # evaluation sequences whose selections give the overlap statistics
@@ -580,16 +672,24 @@ def at_step(run: dict, step: Optional[int] = None) -> dict:
     return rows[-1]
 
 
+def evaluated_at(run: dict, step: int) -> bool:
+    return any(c["step"] == step for c in run["curves"])
+
+
 def accuracy_table(runs: list[dict], tasks: list[str], models: list[str],
                    step: Optional[int] = None) -> str:
     """Markdown: per model and task the mean (range) accuracy over seeds at `step` (None: each
-    run's last evaluation), and the mean gap to full attention on the same seeds, in points."""
+    run's last evaluation; else over the runs evaluated at that step), and the mean gap to full
+    attention on the same seeds, in points."""
     import numpy as np
 
-    rows = {(r["model"], r["seed"]): at_step(r, step) for r in runs}
+    rows = {(r["model"], r["seed"]): at_step(r, step) for r in runs
+            if step is None or evaluated_at(r, step)}
     lines = ["| model | seeds | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
     for m in models:
         seeds = sorted(seed for model, seed in rows if model == m)
+        if not seeds:
+            continue
         cells = []
         for t in tasks:
             acc = np.array([rows[m, seed][f"acc_{t}"] for seed in seeds])
@@ -603,8 +703,9 @@ def accuracy_table(runs: list[dict], tasks: list[str], models: list[str],
     return "\n".join(lines)
 
 
-def report(out: str) -> str:
-    """results.md, summary.csv and curves.png from the runs in `out`. -> the tables."""
+def report(out: str, steps: tuple = ()) -> str:
+    """results.md, summary.csv and curves.png from the runs in `out`; `steps`: also a table at
+    each of these steps over the runs evaluated there. -> the tables."""
     from bench import common
 
     runs = load_runs(out)
@@ -629,6 +730,11 @@ def report(out: str) -> str:
         reached = int(max(shared))
         text += ["", f"At step {reached}, the last evaluation every run reached (of {planned} "
                  "planned):", "", accuracy_table(runs, tasks, models, reached)]
+    for step in steps:
+        n = sum(evaluated_at(r, step) for r in runs)
+        if n:
+            text += ["", f"At step {step} (of {planned} planned), the {n} of {len(runs)} runs "
+                     "evaluated there:", "", accuracy_table(runs, tasks, models, step)]
     text += ["", "| model | seed | steps | T last trained | " + " | ".join(tasks)
              + " | alignment KL | ms / step |", "|---|---|---|---|" + "---|" * (len(tasks) + 2)]
     for r in sorted(runs, key=lambda r: (models.index(r["model"]), r["seed"])):
@@ -636,12 +742,47 @@ def report(out: str) -> str:
         text.append(f"| {r['model']} | {r['seed']} | {s['steps']} | {int(last['T'])} | "
                     + " | ".join(f"{s[f'acc_{t}']:.3f}" for t in tasks)
                     + f" | {common._cell(s.get('kl'))} | {s['ms_per_step']:.1f} |")
+    text += hit_table(runs, tasks, models)
     text += overlap_table(runs, models)
     body = "\n".join(text)
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(f"# Recall benchmark\n\n{body}\n")
     plot(os.path.join(out, "curves.png"), runs, tasks, models)
     return body
+
+
+def layer_rows(model: str, have: list[dict], n_layers: int, columns: list) -> list[str]:
+    """Table rows `| model | layer | seeds | cells |`, one per layer, each cell the mean (range)
+    over `have` (one dict per seed) of a column: (key with `{i}` for the layer, number format).
+    No rows when `have` is empty."""
+    rows = []
+    for i in range(n_layers if have else 0):
+        cells = []
+        for key, fmt in columns:
+            values = [h[key.format(i=i)] for h in have]
+            cells.append(f"{fmt.format(sum(values) / len(values))} "
+                         f"({fmt.format(min(values))}-{fmt.format(max(values))})")
+        rows.append(f"| {model} | {i} | {len(have)} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def hit_table(runs: list[dict], tasks: list[str], models: list[str]) -> list[str]:
+    """Lines of a table of the NSA models' selection hit rate per layer and task at each run's
+    last evaluation, mean (range) over seeds, with a random selection's; none without hits."""
+    n_layers = runs[0]["recall_args"]["n_layers"]
+    rows = []
+    for m in models:
+        have = [at_step(r) for r in runs if r["model"] == m and f"l0_hit_{tasks[0]}" in
+                at_step(r)]
+        rows += layer_rows(m, have, n_layers, [(f"l{{i}}_hit_{t}", "{:.3f}") for t in tasks])
+    if not rows:
+        return []
+    chance = " | ".join(f"{hit_chance(runs[0], t):.3f}" for t in tasks)
+    return ["", "Selection hit rate at each run's last evaluation: the share of (query, KV "
+            "group) whose selected blocks hold the asked key's block, mean (range) over seeds; "
+            "a random choice of the free blocks for comparison:", "",
+            "| model | layer | seeds | " + " | ".join(tasks) + " |",
+            "|---|---|---|" + "---|" * len(tasks), *rows, f"| random | - | - | {chance} |"]
 
 
 def overlap_table(runs: list[dict], models: list[str]) -> list[str]:
@@ -652,14 +793,9 @@ def overlap_table(runs: list[dict], models: list[str]) -> list[str]:
     for m in models:
         have = [r["summary"] for r in runs
                 if r["model"] == m and "l0_sel_shared" in r["summary"]]
-        for i in range(n_layers if have else 0):
-            cells = []
-            for name, fmt in (("shared", "{:.3f}"), ("jaccard", "{:.3f}"),
-                              ("tile_union", "{:.1f}")):
-                values = [s[f"l{i}_sel_{name}"] for s in have]
-                cells.append(f"{fmt.format(sum(values) / len(values))} "
-                             f"({fmt.format(min(values))}-{fmt.format(max(values))})")
-            rows.append(f"| {m} | {i} | {len(have)} | " + " | ".join(cells) + " |")
+        rows += layer_rows(m, have, n_layers, [("l{i}_sel_shared", "{:.3f}"),
+                                               ("l{i}_sel_jaccard", "{:.3f}"),
+                                               ("l{i}_sel_tile_union", "{:.1f}")])
     if not rows:
         return []
     return ["", "Selection overlap of the trained NSA models on the evaluation's longest task, "
@@ -728,8 +864,12 @@ def main(argv=None) -> int:
         train_one(model, int(seed), args, rest, args.out)
         return 0
     os.makedirs(args.out, exist_ok=True)
+    if args.step_lengths:
+        step_times(args, rest, [b for b in args.backends.split(";") if b],
+                   list(args.step_lengths))
+        return 0
     failures = [] if args.report_only else launch(args, rest)
-    print(report(args.out), flush=True)
+    print(report(args.out, args.report_steps), flush=True)
     for line in failures:
         print("FAILED", line, file=sys.stderr)
     return 1 if failures else 0

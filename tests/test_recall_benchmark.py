@@ -136,6 +136,11 @@ def test_report_compares_runs_at_a_step_all_reached(tmp_path):
     assert "| full | 2 | 0.700 (0.600-0.800) |" in common
     assert "| nsa | 2 | 0.600 (0.500-0.700), -10.0 pt |" in common
     assert "| nsa | 1 | 5 | 64 | 0.750 | 0.750 | - | 1.0 |" in text
+    # At step 8 only nsa seed 2 of the two was evaluated: 0.9 against full seed 2's 1.0.
+    text = rb.report(str(tmp_path), steps=(8, 99))
+    at8 = text.split("At step 8 (of 8 planned), the 3 of 4 runs evaluated there:")[1]
+    assert "| nsa | 1 | 0.900 (0.900-0.900), -10.0 pt |" in at8.split("\n\n")[1]
+    assert "At step 99" not in text
     for name in ("results.md", "summary.csv", "curves.png"):
         assert os.path.getsize(tmp_path / name) > 0
 
@@ -253,3 +258,46 @@ def test_a_worker_starting_late_gets_what_is_left_of_the_budget(tmp_path, monkey
     assert rb.launch(args, rest) == []
     assert len(calls) == 1  # the second had 50 s left, under MIN_RUN_S: not started
     assert calls[0][-2:] == ["--budget_s", "195.0"]
+
+
+def test_report_steps_must_be_positive_integers(tmp_path):
+    assert rb.parse_args(["--out", str(tmp_path), "--report_steps", "20,35"])[0].report_steps == (
+        20, 35)
+    for bad in ("0", "x", "3.5"):
+        with pytest.raises(SystemExit):
+            rb.parse_args(["--out", str(tmp_path), "--report_steps", bad])
+
+
+def test_hit_table_averages_each_layers_last_hit_rate_per_task(tmp_path):
+    for seed, hit in ((1, 0.2), (2, 0.6)):
+        _fake_run(tmp_path, "nsa", seed, [0.3, 0.5], 4)
+        path = tmp_path / f"nsa_s{seed}" / "curves.csv"
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        for i, row in enumerate(rows):  # the last evaluation's hit rate counts, not the first
+            row.update(l0_hit_needle=hit if i else 0.0, l0_hit_mqar4=hit / 2 if i else 0.0)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    runs = rb.load_runs(str(tmp_path))
+    lines = rb.hit_table(runs, ["needle", "mqar4"], ["full", "nsa"])
+    assert "| nsa | 0 | 2 | 0.400 (0.200-0.600) | 0.200 (0.100-0.300) |" in lines
+    chance = [rb.hit_chance(runs[0], t) for t in ("needle", "mqar4")]
+    assert f"| random | - | - | {chance[0]:.3f} | {chance[1]:.3f} |" in lines
+    assert rb.hit_table(runs, ["needle", "mqar4"], ["full"]) == []
+
+
+def test_step_times_times_every_model_stage_and_backend(tmp_path):
+    code = rb.main(["--preset", "smoke", "--models", "full,nsa_aligned", "--pairs", "1,2",
+                    "--step_times", "64,128", "--backends", "xla;pallas,xla", "--gpus", "none",
+                    "--out", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "step_times.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    keys = [(r["model"], r["backend"], r["T"], r["stage"]) for r in rows]
+    assert keys == [("full", "-", "64", "sparse"), ("full", "-", "128", "sparse")] + [
+        ("nsa_aligned", b, T, stage) for b in ("xla", "pallas,xla") for T in ("64", "128")
+        for stage in ("dense", "sparse")]
+    assert all(float(r["ms_per_step"]) > 0 for r in rows)
+    assert [r["batch"] for r in rows[:2]] == ["8", "4"]  # tokens per step / T
