@@ -318,7 +318,6 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    import nsa_jax
     from bench import common
     from examples import train_recall
 
@@ -443,13 +442,12 @@ def step_times(args, rest: list[str], backends: list[str], lengths: list[int],
     import jax.numpy as jnp
     import numpy as np
 
-    import nsa_jax
     from bench import common
     from examples import train_recall
 
     rows, step_fn, slots = [], _train_step(), max(args.pairs)
     for model in args.model_list:
-        attention, recipe, query_stride = MODELS[model]
+        attention, recipe, _ = MODELS[model]
         for backend in backends if attention == "nsa" else backends[:1]:
             rargs = recall_args(rest + ["--backend", backend], args.out)
             rargs.models = attention
