@@ -84,6 +84,9 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
 
     packed: whether `fn` accepts `segments=` (packed sequences); if not, packed inputs are
     handed to the next backend of the caller's list.
+    Where n_sel covers every selection block of the sequence, the layer runs its selected
+    branch as `sliding_window_attention` with w = T (the same causal attention), so a
+    `selected_attention` backend is called only where the selection is sparse.
     """
     if branch not in BRANCHES + DECODE_BRANCHES:
         raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES + DECODE_BRANCHES}")
