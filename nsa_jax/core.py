@@ -113,7 +113,11 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
     every_block = False
     if block_idx is None:
         block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
-        every_block = selects_every_block(cfg, q.shape[1])
+        # Only where the library computes the selection: a caller's own selection backend
+        # (e.g. one that takes blocks out) or selected branch always runs.
+        every_block = (selects_every_block(cfg, q.shape[1])
+                       and dispatch.library_only("select_blocks", backend)
+                       and dispatch.library_only("selected_attention", backend))
     if every_block:
         # Every block a query may see is selected, so the selected branch is causal attention:
         # the window branch's path with w = T computes it flash-style (cuDNN / FA-3 / the Pallas

@@ -82,3 +82,28 @@ def test_a_sequence_longer_than_the_selection_still_gathers(monkeypatch):
     params, x = make_inputs(cfg, 1, T, jnp.float32)
     seen = branches_run(monkeypatch, params, x, cfg)
     assert "selected_attention" in seen
+
+
+def test_a_callers_own_selection_turns_the_shortcut_off(monkeypatch):
+    """A selection backend registered from outside the library (here one that drops block 0)
+    must run, and the selected branch must attend to what it chose."""
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    assert dispatch.library_only("select_blocks", "xla")
+    assert dispatch.library_only("selected_attention", ("pallas", "xla"))
+
+    def drop_first_block(q, k_cmp, cfg, *, scale, lse=None):
+        idx = dispatch.xla.select_blocks(q, k_cmp, cfg, scale=scale)
+        return jnp.where(idx == 0, -1, idx)
+
+    nsa_jax.register_backend("select_blocks", "drop-first", drop_first_block)
+    backend = ("drop-first", "xla")
+    assert not dispatch.library_only("select_blocks", backend)
+    cfg = NSAConfig.tiny()
+    T = 40  # 3 blocks, n_sel 4: the library's own selection would take every block
+    params, x = make_inputs(cfg, 1, T, jnp.float32, seed=2)
+    _, aux = nsa_jax.nsa_attention(params, x, cfg, backend=backend, return_aux=True)
+    _, gathered = nsa_jax.nsa_attention(params, x, cfg, block_idx=aux["block_idx"],
+                                        return_aux=True)
+    assert (np.asarray(aux["block_idx"]) != 0).all()
+    np.testing.assert_allclose(np.asarray(aux["o_sel"]), np.asarray(gathered["o_sel"]),
+                               rtol=1e-6, atol=1e-6)
