@@ -311,6 +311,22 @@ def stage(model: str, mc, T: int, dense: bool, kl_mode: str):
     return stage_mc, alignment
 
 
+def build_model(model: str, rargs, seed: int, slots: int):
+    """`model`'s ModelConfig (train_recall's arguments `rargs`), the vocabulary with room for
+    `slots` query keys, the paired initial parameters of `seed` and their optimizer state.
+    -> (mc, vocab, params, opt_state)."""
+    import jax
+
+    from examples import train_recall
+
+    rargs.models = MODELS[model][0]
+    (run,), vocab = train_recall.build_runs(rargs)
+    vocab = dataclasses.replace(vocab, n_keys=max(vocab.n_keys, slots))
+    params = train_recall.init_model(jax.random.PRNGKey(seed), run.mc,
+                                     dataclasses.replace(run.variant, dense_init=True))
+    return run.mc, vocab, params, train_recall.OPTIMIZER.init(params)
+
+
 def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     """Train `model` with `seed`; write curves.csv and run.json into `out`. -> the run's
     summary (final accuracy per task, KL, hit rates, time)."""
@@ -324,14 +340,8 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
     os.makedirs(out, exist_ok=True)
     rargs = recall_args(rest, out)
     attention, recipe, query_stride = MODELS[model]
-    rargs.models = attention
-    (run,), vocab = train_recall.build_runs(rargs)
-    mc = run.mc
     slots = max(args.pairs)
-    vocab = dataclasses.replace(vocab, n_keys=max(vocab.n_keys, slots))
-    variant = dataclasses.replace(run.variant, dense_init=True)
-    params = train_recall.init_model(jax.random.PRNGKey(seed), mc, variant)
-    opt_state = train_recall.OPTIMIZER.init(params)
+    mc, vocab, params, opt_state = build_model(model, rargs, seed, slots)
     stages = train_recall.parse_curriculum(rargs.curriculum, rargs.steps)
     check_lengths(stages, rargs.T, args.pairs, mc.nsa)
     dense_steps = int(round(args.dense_frac * rargs.steps)) if recipe else 0
@@ -443,20 +453,13 @@ def step_times(args, rest: list[str], backends: list[str], lengths: list[int],
     import numpy as np
 
     from bench import common
-    from examples import train_recall
 
     rows, step_fn, slots = [], _train_step(), max(args.pairs)
     for model in args.model_list:
         attention, recipe, _ = MODELS[model]
         for backend in backends if attention == "nsa" else backends[:1]:
-            rargs = recall_args(rest + ["--backend", backend], args.out)
-            rargs.models = attention
-            (run,), vocab = train_recall.build_runs(rargs)
-            mc = run.mc
-            vocab = dataclasses.replace(vocab, n_keys=max(vocab.n_keys, slots))
-            params = train_recall.init_model(jax.random.PRNGKey(0), mc,
-                                             dataclasses.replace(run.variant, dense_init=True))
-            opt_state = train_recall.OPTIMIZER.init(params)
+            mc, vocab, params, opt_state = build_model(
+                model, recall_args(rest + ["--backend", backend], args.out), 0, slots)
             rng = np.random.default_rng(0)
             for T in lengths:
                 for dense in (True, False) if recipe else (False,):
@@ -587,10 +590,10 @@ def launch(args, rest: list[str]) -> list[str]:
                                         "full", "window"))}
     runs = sorted(((m, s) for s in args.seed_list for m in args.model_list),
                   key=lambda run: (cost[run[0]], run[1]))
+    rargs = recall_args(rest, args.out)
     if args.resume:
-        steps = recall_args(rest, args.out).steps
         runs = [(m, s) for m, s in runs
-                if not finished(os.path.join(args.out, f"{m}_s{s}"), steps)]
+                if not finished(os.path.join(args.out, f"{m}_s{s}"), rargs.steps)]
     gpus = visible_gpus(args.gpus)
     per_gpu = math.ceil(args.jobs / max(1, len(gpus)))
     script = os.path.abspath(__file__)
@@ -599,7 +602,7 @@ def launch(args, rest: list[str]) -> list[str]:
     # --budget_s bounds the whole launch: a worker that starts late gets what is left of it,
     # and where the budget was at least MIN_RUN_S, one with less than that left is not started
     # (--resume starts it later).
-    budget, t_start = recall_args(rest, args.out).budget_s, time.perf_counter()
+    budget, t_start = rargs.budget_s, time.perf_counter()
 
     def work(model: str, seed: int) -> Optional[str]:
         left = max(0.0, budget - (time.perf_counter() - t_start))
@@ -690,8 +693,7 @@ def accuracy_table(runs: list[dict], tasks: list[str], models: list[str],
             continue
         cells = []
         for t in tasks:
-            acc = np.array([rows[m, seed][f"acc_{t}"] for seed in seeds])
-            cell = f"{acc.mean():.3f} ({acc.min():.3f}-{acc.max():.3f})"
+            cell = mean_range([rows[m, seed][f"acc_{t}"] for seed in seeds])
             gaps = [rows[m, seed][f"acc_{t}"] - rows["full", seed][f"acc_{t}"] for seed in seeds
                     if ("full", seed) in rows]
             if m != "full" and gaps:
@@ -749,17 +751,19 @@ def report(out: str, steps: tuple = ()) -> str:
     return body
 
 
+def mean_range(values, fmt: str = "{:.3f}") -> str:
+    """'mean (min-max)' of `values`, each number in `fmt`."""
+    return (f"{fmt.format(sum(values) / len(values))} "
+            f"({fmt.format(min(values))}-{fmt.format(max(values))})")
+
+
 def layer_rows(model: str, have: list[dict], n_layers: int, columns: list) -> list[str]:
     """Table rows `| model | layer | seeds | cells |`, one per layer, each cell the mean (range)
     over `have` (one dict per seed) of a column: (key with `{i}` for the layer, number format).
     No rows when `have` is empty."""
     rows = []
     for i in range(n_layers if have else 0):
-        cells = []
-        for key, fmt in columns:
-            values = [h[key.format(i=i)] for h in have]
-            cells.append(f"{fmt.format(sum(values) / len(values))} "
-                         f"({fmt.format(min(values))}-{fmt.format(max(values))})")
+        cells = [mean_range([h[key.format(i=i)] for h in have], fmt) for key, fmt in columns]
         rows.append(f"| {model} | {i} | {len(have)} | " + " | ".join(cells) + " |")
     return rows
 
@@ -770,8 +774,8 @@ def hit_table(runs: list[dict], tasks: list[str], models: list[str]) -> list[str
     n_layers = runs[0]["recall_args"]["n_layers"]
     rows = []
     for m in models:
-        have = [at_step(r) for r in runs if r["model"] == m and f"l0_hit_{tasks[0]}" in
-                at_step(r)]
+        lasts = [at_step(r) for r in runs if r["model"] == m]
+        have = [row for row in lasts if f"l0_hit_{tasks[0]}" in row]
         rows += layer_rows(m, have, n_layers, [(f"l{{i}}_hit_{t}", "{:.3f}") for t in tasks])
     if not rows:
         return []
