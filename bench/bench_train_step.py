@@ -24,12 +24,16 @@ Rows (`--rows`, default: every row that can run on the device):
                  branch's own attention, over the forward's block_idx)
   nsa_kl_dense   the same, mode="dense" (target: the full causal attention; the recipe's
                  sparse stage where it is affordable)
+  nsa_warmup     the recipe's dense warm-up step (`examples/train_aligned.py`'s first stage):
+                 the layers with `nsa_jax.dense_warmup_config` (every block selected, so the
+                 selected branch is causal attention) and the loss in mode="dense"
 
 Columns: ms (the median step over --repeats of --iters steps, compilation excluded),
 compile_s, peak_mb (XLA's compile-time peak of the step: arguments + outputs + temporaries),
 device_peak_mb (the allocator's high-water mark in the row's own process, where T ascends, so
 it is the point's own; empty with --isolate none), kl_share ((ms - nsa's ms) /
-ms at the same T: the alignment loss's share of its step), speedup (the full-attention
+ms at the same T: the alignment loss's share of its step; empty for nsa_warmup, whose step
+also selects every block), speedup (the full-attention
 baseline's ms / ms; baseline fa3_full, else cudnn_full, else xla_full). After an OOM a row's
 larger T are recorded "oom" without running; with --budget_s each row's process gets the
 budget left less ROW_RESERVE_S per row still to run, and what it did not finish is "timeout".
@@ -43,6 +47,7 @@ CPU smoke:     python bench/bench_train_step.py --device cpu --preset tiny --dv 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -64,11 +69,14 @@ LATEST_COLUMNS = ["row", "T", "ms", "kl_share", "speedup", "peak_mb", "device_pe
                   "device", "commit", "status"]
 # Run order: the full-attention rows first, the most expensive step last (under --budget_s, a
 # shortfall costs the last rows' largest T).
-ROWS = ("cudnn_full", "fa3_full", "xla_full", "nsa", "nsa_kl_sparse", "nsa_kl_dense")
+ROWS = ("cudnn_full", "fa3_full", "xla_full", "nsa", "nsa_kl_sparse", "nsa_kl_dense",
+        "nsa_warmup")
 DEFAULT_ROWS = {"gpu": tuple(r for r in ROWS if r != "xla_full"), "cpu": ROWS}
 BASELINES = ("fa3_full", "cudnn_full", "xla_full")
 DENSE_KERNELS = {"cudnn_full": "cudnn", "fa3_full": "fa3", "xla_full": "xla"}
 KL_MODES = {"nsa_kl_sparse": "sparse", "nsa_kl_dense": "dense"}
+# The rows whose step is train_aligned's, and the loss's mode in each.
+ALIGNED_MODES = dict(KL_MODES, nsa_warmup="dense")
 # Under --budget_s, the seconds kept back for each row still to run: a row that overruns takes
 # the time from the last rows' largest T, not from every row's.
 ROW_RESERVE_S = 20.0
@@ -83,8 +91,9 @@ def _base_record(args, row: str, T: int) -> dict[str, Any]:
             "l_sel": cfg.sel_block if nsa else "", "n_sel": cfg.n_sel if nsa else "",
             "w": cfg.window if nsa else "", "dtype": args.dtype,
             "backend": ",".join(args.backend) if nsa else DENSE_KERNELS[row],
-            "kl_mode": KL_MODES.get(row, ""), "kl_weight": args.kl_weight if row in KL_MODES
-            else "", "query_stride": args.query_stride if row in KL_MODES else "",
+            "kl_mode": ALIGNED_MODES.get(row, ""),
+            "kl_weight": args.kl_weight if row in ALIGNED_MODES else "",
+            "query_stride": args.query_stride if row in ALIGNED_MODES else "",
             "device": args.device_label}
 
 
@@ -129,8 +138,9 @@ def build_row(args, row: str):
     state = (params, train_recall.OPTIMIZER.init(params))
     # Python floats: weakly typed, so the update keeps the parameters' dtype.
     lr, kl_weight = 1e-4, args.kl_weight
-    if row in KL_MODES:
-        alignment = nsa_jax.AlignmentOptions(mode=KL_MODES[row], query_stride=args.query_stride)
+    if row in ALIGNED_MODES:
+        alignment = nsa_jax.AlignmentOptions(mode=ALIGNED_MODES[row],
+                                             query_stride=args.query_stride)
         static = dict(mc=mc, task=task, alignment=alignment)
         return train_aligned.train_step, static, state, (lr, kl_weight), vocab, task
     mults = cast(train_recall.lr_multipliers(params, train_recall.Variant()))
@@ -143,9 +153,10 @@ def impl_label(args, row: str) -> str:
             DENSE_KERNELS[row], f"jax.nn.dot_product_attention[{DENSE_KERNELS[row]}]")
         return f"train_recall.train_step, full attention {kernel}"
     backend = ",".join(args.backend)
-    if row in KL_MODES:
-        return (f"train_aligned.train_step, nsa_attention backend={backend} + "
-                f"selection_alignment_loss mode={KL_MODES[row]}")
+    if row in ALIGNED_MODES:
+        warmup = ", dense_warmup_config" if row == "nsa_warmup" else ""
+        return (f"train_aligned.train_step, nsa_attention backend={backend}{warmup} + "
+                f"selection_alignment_loss mode={ALIGNED_MODES[row]}")
     return f"train_recall.train_step, nsa_attention backend={backend}"
 
 
@@ -154,9 +165,14 @@ def run_point(args, row: str, T: int, built) -> dict[str, Any]:
     import jax
     import numpy as np
 
+    import nsa_jax
     from examples import train_recall
 
     step_fn, static, initial, extra, vocab, task = built
+    if row == "nsa_warmup":  # every block of this T selected
+        mc = static["mc"]
+        static = dict(static, mc=dataclasses.replace(
+            mc, nsa=nsa_jax.dense_warmup_config(mc.nsa, T)))
     rng = np.random.default_rng(T)
     batches = []
     for _ in range(args.rotate):

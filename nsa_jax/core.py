@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from nsa_common import NSAConfig
+from nsa_common.layout import num_sel_blocks
 from nsa_jax import checks, dispatch
 from nsa_jax.segments import Segments, from_cu_seqlens
 
@@ -109,14 +110,33 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
     o_cmp, lse = run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
     # Selection reuses the compressed branch's lse: backends that normalise with it (Pallas)
     # would otherwise run the compressed scores a second time.
+    every_block = False
     if block_idx is None:
         block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
-    o_sel = run("selected_attention", q, *kv["sel"], block_idx, block_size=cfg.sel_block,
-                scale=scale)
+        # Only where the library computes the selection: a caller's own selection backend
+        # (e.g. one that takes blocks out) or selected branch always runs.
+        every_block = (selects_every_block(cfg, q.shape[1])
+                       and dispatch.library_only("select_blocks", backend)
+                       and dispatch.library_only("selected_attention", backend))
+    if every_block:
+        # Every block a query may see is selected, so the selected branch is causal attention:
+        # the window branch's path with w = T computes it flash-style (cuDNN / FA-3 / the Pallas
+        # window kernel) instead of gathering each query's blocks.
+        o_sel = run("sliding_window_attention", q, *kv["sel"], window=q.shape[1], scale=scale)
+    else:
+        o_sel = run("selected_attention", q, *kv["sel"], block_idx, block_size=cfg.sel_block,
+                    scale=scale)
     o_win = run("sliding_window_attention", q, *kv["win"], window=cfg.window, scale=scale)
     parts = dict(k_cmp=k_cmp, v_cmp=v_cmp, o_cmp=o_cmp, lse=lse, block_idx=block_idx,
                  o_sel=o_sel, o_win=o_win)
     return mix_branches(gates, o_cmp, o_sel, o_win), parts
+
+
+def selects_every_block(cfg: NSAConfig, seq_len: int) -> bool:
+    """Whether every query of a sequence of `seq_len` tokens (or of one packed into it) selects
+    every block it may see: n_sel covers the blocks of seq_len tokens (the T 512 stage of a
+    short schedule, or `nsa_jax.dense_warmup_config`'s warm-up)."""
+    return cfg.n_sel >= num_sel_blocks(cfg, seq_len)
 
 
 def check_block_idx(block_idx, rows: tuple[int, int], n_kv_heads: int, cfg: NSAConfig):

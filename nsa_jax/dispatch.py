@@ -84,6 +84,10 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
 
     packed: whether `fn` accepts `segments=` (packed sequences); if not, packed inputs are
     handed to the next backend of the caller's list.
+    Where n_sel covers every selection block of the sequence and the selection and selected
+    branch are the library's own (`library_only`), the layer runs its selected branch as
+    `sliding_window_attention` with w = T, the same causal attention; a backend registered here
+    for `select_blocks` or `selected_attention` turns that off, so it always runs.
     """
     if branch not in BRANCHES + DECODE_BRANCHES:
         raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES + DECODE_BRANCHES}")
@@ -92,6 +96,16 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
     global _generation
     _REGISTRY[(branch, backend)] = _Entry(fn, packed)
     _generation += 1
+
+
+def library_only(branch: str, backend: Backend) -> bool:
+    """Whether every implementation of `branch` that `backend` may run is the library's own
+    (none registered from outside `nsa_jax` / `pallas_kernels`): then the layer may replace the
+    branch by an equivalent computation without skipping a caller's code."""
+    modules = [getattr(_REGISTRY[(branch, name)].fn, "__module__", None) or ""
+               for name in backend_names(backend) if (branch, name) in _REGISTRY]
+    return bool(modules) and all(m.split(".")[0] in ("nsa_jax", "pallas_kernels")
+                                 for m in modules)
 
 
 def register_fallback(backend: str, fallback: Sequence[str]) -> None:

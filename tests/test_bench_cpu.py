@@ -758,10 +758,10 @@ def test_train_step_budget_keeps_time_for_the_rows_after(tmp_path, cpu_env, monk
 
 @pytest.mark.slow
 def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
-    """The NSA rows (XLA backend on a CPU): without and with the alignment loss, both modes; the
-    alignment rows carry their share of the step and a finite loss."""
+    """The NSA rows (XLA backend on a CPU): without and with the alignment loss, both modes, and
+    the dense warm-up step; the alignment rows carry their share of the step and a finite loss."""
     out = tmp_path / "train_step_nsa"
-    rows = ["nsa", "nsa_kl_sparse", "nsa_kl_dense"]
+    rows = ["nsa", "nsa_kl_sparse", "nsa_kl_dense", "nsa_warmup"]
     code = bench_train_step.main(TINY_TRAIN + ["--rows", ",".join(rows), "--isolate", "none",
                                                "--query_stride", "2", "--out", str(out)])
     assert code == 0
@@ -770,9 +770,10 @@ def test_train_step_cpu_nsa_rows(tmp_path, cpu_env):
     for r in records:
         assert r["status"] == "ok" and r["note"] == "", r
         assert r["backend"] == "xla" and float(r["ms"]) > 0
-    assert [r["kl_mode"] for r in records] == ["", "sparse", "dense"]
-    assert [r["query_stride"] for r in records] == ["", "2", "2"]
-    assert all(r["kl_share"] != "" for r in records[1:])
+    assert [r["kl_mode"] for r in records] == ["", "sparse", "dense", "dense"]
+    assert [r["query_stride"] for r in records] == ["", "2", "2", "2"]
+    assert all(r["kl_share"] != "" for r in records[1:3]) and records[3]["kl_share"] == ""
+    assert "dense_warmup_config" in records[3]["impl"]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from jax_inputs import AUX_FLOAT, make_inputs
 from sharding_helpers import grad_errors, loss_and_grads, make_mesh
 from nsa_common.testing import rel_err
 from nsa_common import NSAConfig
-from nsa_jax import sharding
+from nsa_jax import core, sharding
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,
                                 reason="needs 8 devices (run through test_sharding.py)")
@@ -196,7 +196,11 @@ def test_fa3_runs_inside_a_multi_device_shard_map(x64, reference, monkeypatch):
                                                         return_aux=True), params, x)
     finally:
         jax.clear_caches()  # no compiled program of the patched paths outlives the patches
-    assert sorted(set(taken)) == [(-1, -1), (CFG.window - 1, 0)]
+    # FA-3's (left, right) windows: those of the fused branches, and where CFG selects every
+    # block of x, the selected branch's causal attention (w = T).
+    T = x.shape[1]
+    every = [(T - 1, 0)] if core.selects_every_block(CFG, T) else []
+    assert sorted(set(taken)) == sorted([(-1, -1), (CFG.window - 1, 0)] + every)
     assert rel_err(y, y_ref) <= TOL
     for name in AUX_FLOAT:
         assert rel_err(aux[name], aux_ref[name]) <= TOL, name
