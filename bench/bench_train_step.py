@@ -31,10 +31,10 @@ Rows (`--rows`, default: every row that can run on the device):
 Columns: ms (the median step over --repeats of --iters steps, compilation excluded),
 compile_s, peak_mb (XLA's compile-time peak of the step: arguments + outputs + temporaries),
 device_peak_mb (the allocator's high-water mark in the row's own process, where T ascends, so
-it is the point's own; empty with --isolate none), kl_share ((ms - nsa's ms) /
-ms at the same T: the alignment loss's share of its step; empty for nsa_warmup, whose step
-also selects every block), speedup (the full-attention
-baseline's ms / ms; baseline fa3_full, else cudnn_full, else xla_full). After an OOM a row's
+it is the point's own; empty with --isolate none), kl_share ((ms - nsa's ms) / ms at the
+same T: the alignment loss's share of its step; empty for nsa_warmup, whose step also selects
+every block), speedup (the full-attention baseline's ms / ms; baseline fa3_full, else
+cudnn_full, else xla_full). After an OOM a row's
 larger T are recorded "oom" without running; with --budget_s each row's process gets the
 budget left less ROW_RESERVE_S per row still to run, and what it did not finish is "timeout".
 Writes train_step.csv, train_step_latest.csv (one line per row and T, with the commit),
