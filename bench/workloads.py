@@ -16,7 +16,10 @@ call a user makes, or none:
             chosen. `keep` follows from the target `overlap`, the mean share of query t's
             blocks that query t + 1 selects too (`keep_probability`).
   trained   a selection saved with `save_selection` (e.g. `layer_selection` of a trained
-            layer's parameters on its inputs) and replayed from a `.npy` file.
+            layer's parameters on its inputs, or `examples/recall_benchmark.py
+            --export_selection 8192`: a trained recall model's layers on one of its sequences,
+            their KV groups side by side, with the benches' n_sel) and replayed from a `.npy`
+            file.
 
 A forced `block_idx` replaces the selection stage (`native_sparse_attention` skips
 `select_blocks` when it is given), so a prefill row with a forced workload omits the selection's

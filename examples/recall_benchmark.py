@@ -156,17 +156,29 @@ def parse_args(argv=None):
     parser.add_argument("--backends", default="pallas,xla",
                         help="--step_times: the NSA dispatch backends to time, ';' between "
                              "them (e.g. 'pallas,xla;xla')")
+    parser.add_argument("--export_selection", default="", metavar="LENGTHS",
+                        help="NSA runs, after training: save the trained layers' selection on "
+                             "one MQAR sequence of each of these T (e.g. 8192,16384) as "
+                             "selection_T<T>.npy in the run's folder, int32 [1, T, layers x G, "
+                             "--export_n_sel]: a `trained` workload of the prefill and decode "
+                             "benches (bench/workloads.py)")
+    parser.add_argument("--export_n_sel", type=int, default=16,
+                        help="--export_selection: blocks each query selects (n_sel has no "
+                             "parameters; 16: the benches' preset)")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)  # a worker: model:seed
     args, rest = parser.parse_known_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs ({args.jobs}) must be >= 1")
     if not 0.0 <= args.dense_frac <= 1.0:
         parser.error(f"--dense_frac ({args.dense_frac}) must lie in [0, 1]")
+    if args.export_n_sel < 1:
+        parser.error(f"--export_n_sel ({args.export_n_sel}) must be >= 1")
     try:
         args.pairs = parse_pairs(args.pairs)
         args.seed_list = parse_seeds(args.seeds)
         args.report_steps = parse_steps(args.report_steps)
         args.step_lengths = parse_steps(args.step_times or "", "--step_times")
+        args.export_lengths = parse_steps(args.export_selection, "--export_selection")
     except ValueError as exc:
         parser.error(str(exc))
     args.model_list = [m for m in args.models.split(",") if m]
@@ -428,9 +440,13 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
                    compile_s=round(compile_s, 2), kl=final["kl"] if recipe == "kl" else None,
                    finite=math.isfinite(final["train_loss"]),
                    **{k: v for k, v in final.items() if k.startswith("acc_") or "_hit_" in k})
+    exports = {}
     if attention == "nsa":
         tokens = evals[max(evals, key=lambda task: task.n_pairs)][0]
         summary.update(selection_overlap(params, tokens[:OVERLAP_ROWS], mc))
+        for T in args.export_lengths:
+            exports[f"T{T}"] = export_selection(params, mc, vocab, T, args.export_n_sel, slots,
+                                                seed, out)
     common.write_csv(os.path.join(out, "curves.csv"), rows, list(rows[-1]))
     common.write_environment(os.path.join(out, "run.json"), dict(
         summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
@@ -438,7 +454,7 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
         kl_weight=args.kl_weight if recipe == "kl" else None,
         kl_mode=args.kl_mode if recipe == "kl" else None,
         query_stride=query_stride if recipe == "kl" else None, recall_args=vars(rargs),
-        nsa=dataclasses.asdict(mc.nsa)))
+        nsa=dataclasses.asdict(mc.nsa), exported_selections=exports))
     return summary
 
 
@@ -512,6 +528,36 @@ def selection_overlap(params, tokens, mc) -> dict:
         stats = workloads.overlap_stats(np.asarray(aux["block_idx"]), first=first)
         out.update({f"l{i}_sel_{name}": value for name, value in stats.items()})
     return out
+
+
+def export_selection(params, mc, vocab, T: int, n_sel: int, slots: int, seed: int,
+                     out: str) -> dict:
+    """Save the trained NSA layers' selection on one MQAR sequence of T tokens (the most pairs
+    trained, the evaluation's format) with `n_sel` blocks a query, as `<out>/selection_T<T>.npy`
+    int32 `[1, T, layers x G, n_sel]` (layer-major: layer i's KV groups at i*G ...), a `trained`
+    workload for the benches (`bench.workloads.load_selection`). -> its file name and the
+    overlap statistics past the first n_sel blocks."""
+    import jax
+    import numpy as np
+
+    from bench import workloads
+    from examples import train_recall
+
+    wide = dataclasses.replace(mc, nsa=mc.nsa.replace(n_sel=n_sel))
+    task = train_recall.Task(task_name(slots), slots, slots, slots)
+    batch = train_recall.make_batch(np.random.default_rng(20_000 + seed), task, vocab, 1, T,
+                                    mc.nsa)
+
+    @jax.jit
+    def selections(params, tokens):
+        _, layers = train_recall.forward(params, tokens, wide, collect=True)
+        return [aux["block_idx"] for _, aux in layers]
+
+    idx = np.concatenate([np.asarray(b) for b in selections(params, batch["tokens"])], axis=2)
+    name = f"selection_T{T}.npy"
+    workloads.save_selection(os.path.join(out, name), idx)
+    stats = workloads.overlap_stats(idx, first=n_sel * wide.nsa.sel_block)
+    return dict(file=name, n_sel=n_sel, **stats)
 
 
 STATE_FILE = "state.pkl"  # a stopped run's parameters, optimizer and data stream
@@ -623,7 +669,9 @@ def launch(args, rest: list[str]) -> list[str]:
                 "--pairs", ",".join(map(str, args.pairs)),
                 "--tokens_per_step", str(args.tokens_per_step),
                 "--dense_frac", str(args.dense_frac), "--kl_weight", str(args.kl_weight),
-                "--kl_mode", args.kl_mode] + (["--resume"] if args.resume else []) + rest + [
+                "--kl_mode", args.kl_mode, "--export_selection", args.export_selection,
+                "--export_n_sel", str(args.export_n_sel)] + (
+                    ["--resume"] if args.resume else []) + rest + [
                 "--budget_s", f"{left:.1f}"]
         try:
             with open(os.path.join(out, "log.txt"), "a" if args.resume else "w") as log:

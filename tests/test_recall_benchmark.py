@@ -1,7 +1,8 @@
 """examples/recall_benchmark.py on the CPU: the mixed-pair batches keep every key beyond the
 window in one format, the loss averages exactly the answered slots (against a float64
 computation), a bad length or flag is named before training, the report compares runs at a
-step all of them reached, and a tiny launch trains, aligns and writes its outputs."""
+step all of them reached, a tiny launch trains, aligns and writes its outputs, and an NSA
+run exports its trained selection as a bench workload."""
 import csv
 import json
 import os
@@ -172,8 +173,10 @@ def test_tiny_launch_trains_aligns_and_reports(tmp_path):
     # warm-up of 2 steps, then sparse, the KL on throughout).
     code = rb.main(["--preset", "smoke", "--models", "full,nsa_aligned", "--seeds", "1",
                     "--pairs", "1,2", "--steps", "4", "--eval_every", "2",
-                    "--dense_frac", "0.5", "--gpus", "none", "--out", str(tmp_path)])
+                    "--dense_frac", "0.5", "--gpus", "none", "--export_selection", "256",
+                    "--out", str(tmp_path)])
     assert code == 0
+    assert (tmp_path / "nsa_aligned_s1" / "selection_T256.npy").exists()  # flags reach workers
     with open(tmp_path / "nsa_aligned_s1" / "curves.csv", newline="") as f:
         curve = list(csv.DictReader(f))
     assert [(r["step"], r["stage"]) for r in curve] == [("2", "dense"), ("4", "sparse")]
@@ -301,3 +304,42 @@ def test_step_times_times_every_model_stage_and_backend(tmp_path):
         for stage in ("dense", "sparse")]
     assert all(float(r["ms_per_step"]) > 0 for r in rows)
     assert [r["batch"] for r in rows[:2]] == ["8", "4"]  # tokens per step / T
+
+
+def test_export_saves_each_layers_selection_as_a_bench_workload(tmp_path):
+    """--export_selection: an NSA run saves its trained layers' selection at a longer T with
+    --export_n_sel blocks, layer-major over the KV groups, as a file the benches load; full
+    attention's run exports nothing."""
+    flags = ["--preset", "smoke", "--pairs", "1,2", "--steps", "2", "--eval_every", "2",
+             "--export_selection", "256", "--export_n_sel", "6", "--out"]
+    assert rb.main(["--run", "nsa:1"] + flags + [str(tmp_path / "nsa")]) == 0
+    assert rb.main(["--run", "full:1"] + flags + [str(tmp_path / "full")]) == 0
+    assert not list((tmp_path / "full").glob("selection_*"))
+    meta = json.loads((tmp_path / "nsa" / "run.json").read_text())
+    export = meta["exported_selections"]["T256"]
+    assert export["file"] == "selection_T256.npy" and export["n_sel"] == 6
+    idx = np.load(tmp_path / "nsa" / export["file"])
+    nsa = NSAConfig(**meta["nsa"])
+    layers = meta["recall_args"]["n_layers"]
+    assert idx.dtype == np.int32 and idx.shape == (1, 256, layers * nsa.n_kv_heads, 6)
+    # Every query selects its n_init + n_local forced blocks and 6 blocks in all once it has.
+    t = np.arange(256)
+    eligible = np.minimum(t // nsa.sel_block + 1, 6)
+    assert ((idx[0] >= 0).sum(-1) == eligible[:, None]).all()
+    # What the bench replays: the file read back for a configuration of layers x G groups.
+    from bench import workloads
+
+    bench_cfg = nsa.replace(n_sel=6, n_kv_heads=layers * nsa.n_kv_heads,
+                            n_heads=layers * nsa.n_heads)
+    np.testing.assert_array_equal(
+        workloads.load_selection(str(tmp_path / "nsa" / export["file"]), bench_cfg), idx)
+    assert 0 < export["shared"] <= 1 and export["tile_union"] >= 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--export_selection", "8k"], "--export_selection"), (["--export_n_sel", "0"],
+                                                           "--export_n_sel")])
+def test_bad_export_flags_are_named(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        rb.parse_args(["--out", str(tmp_path)] + argv)
+    assert message in capsys.readouterr().err
