@@ -516,18 +516,30 @@ def selection_overlap(params, tokens, mc) -> dict:
     (`bench.workloads.overlap_stats`, the statistics of the prefill benchmark's selection
     workloads), over the queries past the first n_sel blocks (before them every eligible block
     is selected)."""
-    import numpy as np
-
     from bench import workloads
-    from examples import train_recall
 
-    _, layers = train_recall.forward(params, tokens, mc, collect=True)
     first = mc.nsa.n_sel * mc.nsa.sel_block
     out = {}
-    for i, (_, aux) in enumerate(layers):
-        stats = workloads.overlap_stats(np.asarray(aux["block_idx"]), first=first)
+    for i, block_idx in enumerate(layer_selections(params, tokens, mc)):
+        stats = workloads.overlap_stats(block_idx, first=first)
         out.update({f"l{i}_sel_{name}": value for name, value in stats.items()})
     return out
+
+
+def layer_selections(params, tokens, mc) -> list:
+    """Each NSA layer's selection in the model of `mc` on `tokens [B, T]`: a list of int32
+    `[B, T, G, n_sel]` NumPy arrays (the layers' `aux["block_idx"]`)."""
+    import jax
+    import numpy as np
+
+    from examples import train_recall
+
+    @jax.jit
+    def selections(params, tokens):
+        _, layers = train_recall.forward(params, tokens, mc, collect=True)
+        return [aux["block_idx"] for _, aux in layers]
+
+    return [np.asarray(b) for b in selections(params, tokens)]
 
 
 def export_selection(params, mc, vocab, T: int, n_sel: int, slots: int, seed: int,
@@ -537,7 +549,6 @@ def export_selection(params, mc, vocab, T: int, n_sel: int, slots: int, seed: in
     int32 `[1, T, layers x G, n_sel]` (layer-major: layer i's KV groups at i*G ...), a `trained`
     workload for the benches (`bench.workloads.load_selection`). -> its file name and the
     overlap statistics past the first n_sel blocks."""
-    import jax
     import numpy as np
 
     from bench import workloads
@@ -547,16 +558,10 @@ def export_selection(params, mc, vocab, T: int, n_sel: int, slots: int, seed: in
     task = train_recall.Task(task_name(slots), slots, slots, slots)
     batch = train_recall.make_batch(np.random.default_rng(20_000 + seed), task, vocab, 1, T,
                                     mc.nsa)
-
-    @jax.jit
-    def selections(params, tokens):
-        _, layers = train_recall.forward(params, tokens, wide, collect=True)
-        return [aux["block_idx"] for _, aux in layers]
-
-    idx = np.concatenate([np.asarray(b) for b in selections(params, batch["tokens"])], axis=2)
+    idx = np.concatenate(layer_selections(params, batch["tokens"], wide), axis=2)
     name = f"selection_T{T}.npy"
     workloads.save_selection(os.path.join(out, name), idx)
-    stats = workloads.overlap_stats(idx, first=n_sel * wide.nsa.sel_block)
+    stats = workloads.overlap_stats(idx, first=n_sel * mc.nsa.sel_block)
     return dict(file=name, n_sel=n_sel, **stats)
 
 
