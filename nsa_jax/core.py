@@ -108,22 +108,23 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
     k_cmp = run("compress_kv", kv["cmp"][0], cmp_params["cmp_k"] if mlp else None, cfg)
     v_cmp = run("compress_kv", kv["cmp"][1], cmp_params["cmp_v"] if mlp else None, cfg)
     o_cmp, lse = run("compressed_attention", q, k_cmp, v_cmp, cfg, scale=scale, return_lse=True)
-    # Selection reuses the compressed branch's lse: backends that normalise with it (Pallas)
-    # would otherwise run the compressed scores a second time.
-    every_block = False
-    if block_idx is None:
-        block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
-        # Only where the library computes the selection: a caller's own selection backend
-        # (e.g. one that takes blocks out) or selected branch always runs.
-        every_block = (selects_every_block(cfg, q.shape[1])
-                       and dispatch.library_only("select_blocks", backend)
-                       and dispatch.library_only("selected_attention", backend))
+    # Only where the library computes the selection: a caller's own selection backend (e.g. one
+    # that takes blocks out) or selected branch always runs.
+    every_block = (block_idx is None and selects_every_block(cfg, q.shape[1])
+                   and dispatch.library_only("select_blocks", backend)
+                   and dispatch.library_only("selected_attention", backend))
     if every_block:
-        # Every block a query may see is selected, so the selected branch is causal attention:
-        # the window branch's path with w = T computes it flash-style (cuDNN / FA-3 / the Pallas
-        # window kernel) instead of gathering each query's blocks.
+        # Every block a query may see is selected: the selection needs no scores (ranking
+        # n_sel = T / l_sel blocks costs O(n_sel^2) per query in a top-n), and the selected
+        # branch is causal attention, which the window branch's path with w = T computes
+        # flash-style (cuDNN / FA-3 / the Pallas window kernel) instead of gathering blocks.
+        block_idx = every_block_idx(q.shape[0], q.shape[1], k_cmp.shape[2], cfg, segments)
         o_sel = run("sliding_window_attention", q, *kv["sel"], window=q.shape[1], scale=scale)
     else:
+        if block_idx is None:
+            # Selection reuses the compressed branch's lse: backends that normalise with it
+            # (Pallas) would otherwise run the compressed scores a second time.
+            block_idx = run("select_blocks", q, k_cmp, cfg, scale=scale, lse=lse)
         o_sel = run("selected_attention", q, *kv["sel"], block_idx, block_size=cfg.sel_block,
                     scale=scale)
     o_win = run("sliding_window_attention", q, *kv["win"], window=cfg.window, scale=scale)
@@ -137,6 +138,17 @@ def selects_every_block(cfg: NSAConfig, seq_len: int) -> bool:
     every block it may see: n_sel covers the blocks of seq_len tokens (the T 512 stage of a
     short schedule, or `nsa_jax.dense_warmup_config`'s warm-up)."""
     return cfg.n_sel >= num_sel_blocks(cfg, seq_len)
+
+
+def every_block_idx(batch: int, seq_len: int, n_kv_heads: int, cfg: NSAConfig,
+                    segments: Optional[Segments]) -> jax.Array:
+    """The selection where n_sel covers every block (`selects_every_block`), spec step 6 without
+    scores: query t takes blocks 0 .. pos(t) // l_sel in ascending order, -1 after (pos: its
+    position inside its own sequence). -> int32 `[batch, seq_len, n_kv_heads, n_sel]`."""
+    pos = segments.pos if segments is not None else jnp.arange(seq_len, dtype=jnp.int32)
+    j = jnp.arange(cfg.n_sel, dtype=jnp.int32)
+    idx = jnp.where(j[None, :] <= (pos // cfg.sel_block)[:, None], j[None, :], -1)
+    return jnp.broadcast_to(idx[None, :, None, :], (batch, seq_len, n_kv_heads, cfg.n_sel))
 
 
 def check_block_idx(block_idx, rows: tuple[int, int], n_kv_heads: int, cfg: NSAConfig):

@@ -86,8 +86,9 @@ def register_backend(branch: str, backend: str, fn: Callable, *, packed: bool = 
     handed to the next backend of the caller's list.
     Where n_sel covers every selection block of the sequence and the selection and selected
     branch are the library's own (`library_only`), the layer runs its selected branch as
-    `sliding_window_attention` with w = T, the same causal attention; a backend registered here
-    for `select_blocks` or `selected_attention` turns that off, so it always runs.
+    `sliding_window_attention` with w = T, the same causal attention, and takes every eligible
+    block as `block_idx` without running the selection; a backend registered here for
+    `select_blocks` or `selected_attention` turns that off, so it always runs.
     """
     if branch not in BRANCHES + DECODE_BRANCHES:
         raise ValueError(f"branch ({branch!r}) must be one of {BRANCHES + DECODE_BRANCHES}")

@@ -1,7 +1,8 @@
 """When n_sel covers every selection block of the sequence (a short sequence, or the alignment
 recipe's dense warm-up), the selected branch is causal attention and runs on the window
-branch's path with w = T instead of gathering blocks: the same output and gradients as the
-gathered branch and the float64 brute force, packed sequences included."""
+branch's path with w = T instead of gathering blocks, and block_idx is every eligible block,
+without running the selection: the same output, gradients and block_idx as the gathered branch
+and the float64 brute force, packed sequences included."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +49,22 @@ def test_the_selected_branch_takes_the_window_path_and_matches_the_brute_force(x
     y_bf, aux_bf = bf_nsa_layer(params, x, cfg)
     np.testing.assert_allclose(np.asarray(y), y_bf, rtol=0, atol=1e-10)
     np.testing.assert_allclose(np.asarray(aux["o_sel"]), aux_bf["o_sel"], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("T,cu", [(23, None), (64, None), (48, [0, 17, 48]),
+                                  (50, [0, 0, 5, 31, 50])])
+def test_block_idx_is_the_selections_without_running_it(x64, monkeypatch, T, cu):
+    """The shortcut's block_idx (every eligible block, no scores) is the float64 brute force's
+    selection, packed sequences (an empty one included) too; the selection does not run."""
+    cfg = nsa_jax.dense_warmup_config(NSAConfig.tiny(), T)
+    B = 2 if cu is None else 1
+    params, x = make_inputs(cfg, B, T, jnp.float64, seed=11)
+    _, aux = nsa_jax.nsa_attention(params, x, cfg, cu_seqlens=cu, return_aux=True)
+    _, aux_bf = bf_nsa_layer(params, x, cfg, cu_seqlens=cu)
+    assert aux["block_idx"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(aux["block_idx"]), aux_bf["block_idx"])
+    if cu is None:
+        assert "select_blocks" not in branches_run(monkeypatch, params, x, cfg)
 
 
 def test_output_and_gradients_equal_the_gathered_branch(x64):
