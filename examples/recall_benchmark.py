@@ -440,21 +440,29 @@ def train_one(model: str, seed: int, args, rest: list[str], out: str) -> dict:
                    compile_s=round(compile_s, 2), kl=final["kl"] if recipe == "kl" else None,
                    finite=math.isfinite(final["train_loss"]),
                    **{k: v for k, v in final.items() if k.startswith("acc_") or "_hit_" in k})
-    exports = {}
     if attention == "nsa":
         tokens = evals[max(evals, key=lambda task: task.n_pairs)][0]
         summary.update(selection_overlap(params, tokens[:OVERLAP_ROWS], mc))
+    common.write_csv(os.path.join(out, "curves.csv"), rows, list(rows[-1]))
+    exports = {}
+
+    def write_record():
+        common.write_environment(os.path.join(out, "run.json"), dict(
+            summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
+            tokens_per_step=args.tokens_per_step, dense_steps=dense_steps,
+            kl_weight=args.kl_weight if recipe == "kl" else None,
+            kl_mode=args.kl_mode if recipe == "kl" else None,
+            query_stride=query_stride if recipe == "kl" else None, recall_args=vars(rargs),
+            nsa=dataclasses.asdict(mc.nsa), exported_selections=exports))
+
+    # The run is recorded before its exports (a long export stopped by the launcher's time
+    # limit keeps the trained run) and again after each.
+    write_record()
+    if attention == "nsa":
         for T in args.export_lengths:
             exports[f"T{T}"] = export_selection(params, mc, vocab, T, args.export_n_sel, slots,
                                                 seed, out)
-    common.write_csv(os.path.join(out, "curves.csv"), rows, list(rows[-1]))
-    common.write_environment(os.path.join(out, "run.json"), dict(
-        summary=summary, model=model, seed=seed, recipe=recipe, pairs=list(args.pairs),
-        tokens_per_step=args.tokens_per_step, dense_steps=dense_steps,
-        kl_weight=args.kl_weight if recipe == "kl" else None,
-        kl_mode=args.kl_mode if recipe == "kl" else None,
-        query_stride=query_stride if recipe == "kl" else None, recall_args=vars(rargs),
-        nsa=dataclasses.asdict(mc.nsa), exported_selections=exports))
+            write_record()
     return summary
 
 

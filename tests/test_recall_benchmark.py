@@ -336,6 +336,29 @@ def test_export_saves_each_layers_selection_as_a_bench_workload(tmp_path):
     assert 0 < export["shared"] <= 1 and export["tile_union"] >= 6
 
 
+def test_a_run_stopped_during_its_export_is_recorded(tmp_path, monkeypatch):
+    """The run's curves and run.json are written before the exports, and again after each: a
+    launcher that stops a long export keeps the trained run and the exports it finished."""
+    calls = []
+
+    def export(params, mc, vocab, T, *rest):
+        calls.append(T)
+        if len(calls) == 2:
+            raise RuntimeError("stopped during the export")
+        return dict(file=f"selection_T{T}.npy")
+
+    monkeypatch.setattr(rb, "export_selection", export)
+    flags = ["--preset", "smoke", "--pairs", "1,2", "--steps", "2", "--eval_every", "2",
+             "--export_selection", "128,256", "--out", str(tmp_path)]
+    with pytest.raises(RuntimeError, match="export"):
+        rb.main(["--run", "nsa:1"] + flags)
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["summary"]["steps"] == 2 and calls == [128, 256]
+    assert meta["exported_selections"] == {"T128": {"file": "selection_T128.npy"}}
+    with open(tmp_path / "curves.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["2"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--export_selection", "8k"], "--export_selection"), (["--export_n_sel", "0"],
                                                            "--export_n_sel")])
