@@ -50,7 +50,8 @@ breakdown times that branch only. The decode step computes all three branches wh
 say, so forcing changes the output, not the full step's cost.
 
 Selection workloads (`--workload`, bench/workloads.py): random (default; each step's own
-selection), coherent (`--overlap`) or trained (`--workload-file`). A forced workload's rows of
+selection), coherent (`--overlap`, `--working-set`, `--drift`), trained_fit (fitted to a trained
+model's statistics) or trained (`--workload-file`). A forced workload's rows of
 positions S, S + 1, ... go to `decode_step(block_idx=)` step by step (the step still ranks the
 blocks; only its selected attention reads the forced ones); with --timing loop every call
 replays the rows of its --loop_steps steps. Records carry the workload and the overlap

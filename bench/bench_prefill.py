@@ -39,7 +39,9 @@ ran at that S and pass: fa3_full, cudnn_full, torch_sdpa_flash, torch_sdpa_cudnn
 
 Selection workloads (`--workload`, bench/workloads.py): random (default; the core's own
 selection of the random inputs), coherent (a synthetic selection whose consecutive queries
-share `--overlap` of their blocks) or trained (a saved selection, `--workload-file`). The NSA
+share `--overlap` of their blocks; `--working-set`, `--drift`), trained_fit (the synthetic
+selection fitted to a trained model's statistics) or trained (a saved selection,
+`--workload-file`). The NSA
 rows pass a forced workload's block_idx to the call a user makes (`block_idx=`, which skips the
 selection stage: their note says so); the full-attention rows do not depend on it. Records
 carry the workload and the overlap statistics of the blocks (sel_shared, sel_jaccard,

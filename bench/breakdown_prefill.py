@@ -18,8 +18,9 @@ calls it, forward and forward+backward where the stage has a gradient:
 where a variant is `name[:kernel.field=value,...]` with kernel one of `cmp` (compressed
 attention BlockSizes), `select` (select_blocks BlockSizes), `selected` (selected attention
 BlockSizes), or `pallas` (a PallasOptions field, e.g. `kernel:pallas.compressed_cudnn=False`).
-`--workload coherent` (or trained; bench/workloads.py) forces that selection on the selected
-and core stages, e.g. the selected kernel's token tiles on neighbouring queries that share blocks:
+`--workload coherent` (or trained_fit, trained; bench/workloads.py) forces that selection on the
+selected and core stages, e.g. the selected kernel's token tiles on neighbouring queries that
+share blocks:
   --stages selected --workload coherent \
   --variants "base;t4:selected.tokens_fwd=4,selected.tokens_dq=4"
 Writes `breakdown.csv` and prints a table.

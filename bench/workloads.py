@@ -14,7 +14,16 @@ call a user makes, or none:
             query t's freely chosen blocks with probability `keep` and redraws the others; the
             forced blocks (the first `n_init`, the `n_local` most recent eligible) are always
             chosen. `keep` follows from the target `overlap`, the mean share of query t's
-            blocks that query t + 1 selects too (`keep_probability`).
+            blocks that query t + 1 selects too (`keep_probability`). With `working_set` N,
+            a replaced block is drawn from a working set of N blocks per (sequence, KV head)
+            instead of from every eligible block, and each member of the set is swapped for a
+            uniform eligible block with probability `drift` per query: queries then return to
+            blocks their neighbours dropped, as a trained model's do, and a tile of queries
+            selects fewer distinct blocks. `TRAINED_FIT` holds the values that reproduce a
+            trained recall model's measured statistics at 8k.
+  trained_fit
+            coherent with `TRAINED_FIT`: the synthetic selection whose statistics match a
+            trained recall model's measured ones (below).
   trained   a selection saved with `save_selection` (e.g. `layer_selection` of a trained
             layer's parameters on its inputs, or `examples/recall_benchmark.py
             --export_selection 8192`: a trained recall model's layers on one of its sequences,
@@ -47,9 +56,15 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORKLOADS = ("random", "coherent", "trained")
+WORKLOADS = ("random", "coherent", "trained_fit", "trained")
+SYNTHETIC = ("coherent", "trained_fit")  # the workloads of coherent_block_idx
 DEFAULT_OVERLAP = 0.8
 DEFAULT_TILE = 64
+# `--workload coherent` arguments whose statistics at T 8k (bench configuration: G 4, n_sel 16,
+# l_sel 64) match the selection of a trained recall model (the alignment recipe's seed 2,
+# exported at 8k with n_sel 16: shared 0.682, jaccard 0.633, 64-query tile union 44.3;
+# bench/results/recall_benchmark_token_shift_h200/nsa_aligned_s2/selection_T8192.npy).
+TRAINED_FIT = dict(overlap=0.695, working_set=36, drift=0.012)
 # Below this many candidate blocks per free slot the generator draws row by row, from the list
 # of candidates; above it, all rows at once, redrawing the rare clashes.
 REJECTION_POOL_FACTOR = 4
@@ -166,8 +181,63 @@ def _free_blocks(rng, cfg, chains: int, positions: np.ndarray, keep: float,
     return free[1:]
 
 
+def _working_set_free(rng, cfg, chains: int, positions: np.ndarray, keep: float,
+                      working_set: int, drift: float) -> np.ndarray:
+    """The free blocks `[n, chains, n_free]` of the queries at `positions` (consecutive, all
+    past the all-eligible phase), row by row: each slot keeps its block with probability
+    `keep`; a changed slot takes a block of the chain's working set (`working_set` eligible
+    non-forced blocks, each swapped for a uniform one with probability `drift` per query; the
+    whole pool while it is no larger) that the previous query did not select, falling back to
+    the other eligible blocks, then to the previous query's, when too few are left."""
+    n_init, n_local = cfg.n_init, cfg.n_local
+    n_free = cfg.n_sel - n_init - n_local
+    out = np.zeros((positions.size, chains, n_free), np.int64)
+    sets: list = [None] * chains
+    previous: list = [None] * chains
+    for r, t in enumerate(positions):
+        hi = int(t) // cfg.sel_block - n_local             # the free candidates: n_init .. hi
+        n_cand = hi - n_init + 1
+        for c in range(chains):
+            members = sets[c]
+            if n_cand <= working_set:
+                members = None
+            elif members is None:
+                members = [n_init + int(b) for b in rng.choice(n_cand, working_set,
+                                                               replace=False)]
+            else:
+                present = set(members)
+                for i in np.nonzero(rng.random(working_set) < drift)[0]:
+                    b = n_init + int(rng.integers(n_cand))
+                    while b in present:
+                        b = n_init + int(rng.integers(n_cand))
+                    present.discard(members[i])
+                    present.add(b)
+                    members[i] = b
+            sets[c] = members
+            candidates = range(n_init, hi + 1)
+            pool = candidates if members is None else members
+            prev = previous[c]
+            held = set(prev) if prev is not None else set()
+            slots = ([None] * n_free if prev is None else
+                     [b if k else None for b, k in zip(prev, rng.random(n_free) < keep)])
+            taken = {b for b in slots if b is not None}
+            options = [int(b) for b in rng.permutation([b for b in pool if b not in held])]
+            needed = slots.count(None)
+            for extra in ([b for b in candidates if b not in held and b not in options],
+                          sorted(held - taken)):
+                if len(options) >= needed:
+                    break
+                options += [int(b) for b in rng.permutation(extra)]
+            fill = iter(options)
+            slots = [b if b is not None else next(fill) for b in slots]
+            previous[c] = slots
+            out[r, c] = slots
+    return out
+
+
 def coherent_block_idx(cfg, B: int, T: int, *, overlap: float = DEFAULT_OVERLAP, seed: int = 0,
-                       start: int = 0, n_kv_heads: Optional[int] = None) -> np.ndarray:
+                       start: int = 0, n_kv_heads: Optional[int] = None,
+                       working_set: Optional[int] = None, drift: float = 0.0) -> np.ndarray:
     """A synthetic selection in which neighbouring queries share blocks: int32
     `[B, T - start, G, n_sel]`, the rows of positions `start .. T - 1`.
 
@@ -181,7 +251,8 @@ def coherent_block_idx(cfg, B: int, T: int, *, overlap: float = DEFAULT_OVERLAP,
     selection-block boundary, once every l_sel queries, and just past the all-eligible phase
     the few candidates may repeat one). With `start` > 0 the chain begins at `start` with a
     fresh draw (the rows of decode steps at positions start, start + 1, ...). Causal, no
-    duplicates, ascending.
+    duplicates, ascending. With `working_set`, replacements come from a drifting working set
+    (`_working_set_free`; the module docstring), row by row.
     """
     G = cfg.n_kv_heads if n_kv_heads is None else n_kv_heads
     if not 0 <= start < T:
@@ -190,6 +261,11 @@ def coherent_block_idx(cfg, B: int, T: int, *, overlap: float = DEFAULT_OVERLAP,
     rng = np.random.default_rng(seed)
     n_sel, l_sel, n_init, n_local = cfg.n_sel, cfg.sel_block, cfg.n_init, cfg.n_local
     n_free = n_sel - n_init - n_local
+    if working_set is not None and working_set < 2 * n_free:
+        raise ValueError(f"working_set ({working_set}) must be at least 2 x the {n_free} free "
+                         "blocks a query selects (a replaced block avoids the previous query's)")
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift ({drift}) must lie in [0, 1]")
     chains = B * G
     out = np.full((T - start, chains, n_sel), -1, np.int32)
     positions = np.arange(start, T)
@@ -198,23 +274,29 @@ def coherent_block_idx(cfg, B: int, T: int, *, overlap: float = DEFAULT_OVERLAP,
     early = last < n_sel
     blocks = np.arange(n_sel)
     out[early] = np.where(blocks[None, :] <= last[early, None], blocks, -1)[:, None, :]
-    # The first queries past that, where few blocks are free to choose: row by row.
-    row_by_row = ~early & (last - n_local - n_init + 1 < REJECTION_POOL_FACTOR * n_free)
     free_rows = np.zeros((T - start, chains, n_free), np.int64)
-    previous = None
-    for r in np.nonzero(row_by_row)[0]:
-        lo, hi = n_init, last[r] - n_local
-        if previous is None:
-            previous = _redraw_rows(rng, lo, hi, np.full((chains, n_free), -1),
-                                    np.ones((chains, n_free), bool))
-        else:
-            previous = _redraw_rows(rng, lo, hi, previous, rng.random((chains, n_free)) >= keep)
-        free_rows[r] = previous
-    # The rest, where a clash is rare: all at once.
-    vectorized = ~early & ~row_by_row
-    if vectorized.any() and n_free:
-        free_rows[vectorized] = _free_blocks(rng, cfg, chains, positions[vectorized], keep,
-                                             previous)
+    if working_set is not None:
+        if (~early).any() and n_free:
+            free_rows[~early] = _working_set_free(rng, cfg, chains, positions[~early], keep,
+                                                  working_set, drift)
+    else:
+        # The first queries past that, where few blocks are free to choose: row by row.
+        row_by_row = ~early & (last - n_local - n_init + 1 < REJECTION_POOL_FACTOR * n_free)
+        previous = None
+        for r in np.nonzero(row_by_row)[0]:
+            lo, hi = n_init, last[r] - n_local
+            if previous is None:
+                previous = _redraw_rows(rng, lo, hi, np.full((chains, n_free), -1),
+                                        np.ones((chains, n_free), bool))
+            else:
+                previous = _redraw_rows(rng, lo, hi, previous,
+                                        rng.random((chains, n_free)) >= keep)
+            free_rows[r] = previous
+        # The rest, where a clash is rare: all at once.
+        vectorized = ~early & ~row_by_row
+        if vectorized.any() and n_free:
+            free_rows[vectorized] = _free_blocks(rng, cfg, chains, positions[vectorized], keep,
+                                                 previous)
     late = ~early
     if late.any():
         local = last[late, None] - np.arange(n_local)[None, ::-1]          # [n, n_local]
@@ -353,9 +435,19 @@ def add_workload_args(parser) -> None:
     group = parser.add_argument_group("selection workload (bench/workloads.py)")
     group.add_argument("--workload", default="random", choices=WORKLOADS,
                        help="random: the core's own selection of random inputs; coherent: the "
-                            "synthetic selection of --overlap; trained: --workload-file")
+                            "synthetic selection of --overlap; trained_fit: the synthetic "
+                            "selection fitted to a trained model's (workloads.TRAINED_FIT); "
+                            "trained: --workload-file")
     group.add_argument("--overlap", type=float, default=DEFAULT_OVERLAP,
                        help="coherent: mean share of blocks consecutive queries share")
+    group.add_argument("--working-set", dest="working_set", type=int, default=None,
+                       help="coherent: replaced blocks come from a drifting working set of this "
+                            "many blocks per KV head (default: from every eligible block); "
+                            "--overlap 0.695 --working-set 36 --drift 0.012 matches a trained "
+                            "recall model's selection at 8k (workloads.TRAINED_FIT)")
+    group.add_argument("--drift", type=float, default=0.0,
+                       help="coherent with --working-set: chance per query that a member of "
+                            "the working set is swapped for a uniform eligible block")
     group.add_argument("--workload-seed", dest="workload_seed", type=int, default=0)
     group.add_argument("--workload-file", dest="workload_file", default=None,
                        help="trained: a selection [B, T, G, n_sel] saved with save_selection")
@@ -364,8 +456,18 @@ def add_workload_args(parser) -> None:
 def check_workload_args(args) -> None:
     if args.workload == "trained" and not args.workload_file:
         raise ValueError("--workload trained needs --workload-file (a .npy selection)")
-    if args.workload == "coherent":
-        keep_probability(args.cfg, args.overlap)  # ValueError out of range
+    if args.workload != "coherent" and getattr(args, "working_set", None) is not None:
+        raise ValueError("--working-set applies to --workload coherent only")
+    if args.workload in SYNTHETIC:
+        coherent_block_idx(args.cfg, 1, 1, **_coherent_options(args))  # ValueError if out of range
+
+
+def _coherent_options(args) -> dict:
+    """The coherent generator's keyword arguments from the benches' flags."""
+    if args.workload == "trained_fit":
+        return dict(TRAINED_FIT)
+    return dict(overlap=args.overlap, working_set=getattr(args, "working_set", None),
+                drift=getattr(args, "drift", 0.0))
 
 
 def _replay(args, cfg, B: int, positions: np.ndarray) -> np.ndarray:
@@ -383,8 +485,8 @@ def prefill_block_idx(args, cfg, B: int, S: int) -> Optional[np.ndarray]:
     A trained selection must cover S positions."""
     if args.workload == "random":
         return None
-    if args.workload == "coherent":
-        return coherent_block_idx(cfg, B, S, overlap=args.overlap, seed=args.workload_seed)
+    if args.workload in SYNTHETIC:
+        return coherent_block_idx(cfg, B, S, seed=args.workload_seed, **_coherent_options(args))
     saved_T = np.load(args.workload_file, mmap_mode="r").shape[1]
     if saved_T < S:
         from bench.common import Skip
@@ -399,9 +501,9 @@ def decode_block_idx(args, cfg, B: int, S: int, steps: int) -> Optional[np.ndarr
     None for random."""
     if args.workload == "random":
         return None
-    if args.workload == "coherent":
-        rows = coherent_block_idx(cfg, B, S + steps, overlap=args.overlap,
-                                  seed=args.workload_seed, start=S)
+    if args.workload in SYNTHETIC:
+        rows = coherent_block_idx(cfg, B, S + steps, seed=args.workload_seed, start=S,
+                                  **_coherent_options(args))
     else:
         rows = _replay(args, cfg, B, S + np.arange(steps))
     return rows.transpose(1, 0, 2, 3)[:, :, None]

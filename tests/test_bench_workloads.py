@@ -1,5 +1,6 @@
 """The selection workloads of the benches (bench/workloads.py): the coherent generator's rows are
-valid selections that reach their target overlap, the overlap statistics on hand-built cases,
+valid selections that reach their target overlap (with a working set, too, fitted to a trained
+model's statistics), the overlap statistics on hand-built cases,
 the saved-selection round trip, and the core and the decode step accepting a workload's
 block_idx; the benches' CSV handling of the workload column."""
 import argparse
@@ -72,6 +73,89 @@ def test_overlap_out_of_range_is_refused():
         workloads.coherent_block_idx(CFG, 1, 100, overlap=1.2)
     assert workloads.keep_probability(CFG, 3 / 8) == 0.0
     assert workloads.keep_probability(CFG, 1.0) == 1.0
+
+
+def test_working_set_rows_are_valid_reach_their_overlap_and_stay_in_the_set():
+    B, T, ws = 2, 16 * 400, 12
+    idx = workloads.coherent_block_idx(CFG, B, T, overlap=0.7, seed=4, working_set=ws)
+    workloads.check_selection(idx, CFG.sel_block)
+    last = np.arange(T) // CFG.sel_block
+    late = last >= CFG.n_sel
+    counts = (idx >= 0).sum(-1)
+    assert (counts[:, late] == CFG.n_sel).all()
+    assert (idx[:, late] == 0).any(-1).all()                     # n_init
+    assert (idx[:, late] == last[late, None, None]).any(-1).all()  # the newest local block
+    stats = workloads.overlap_stats(idx, first=CFG.sel_block * 32)
+    assert stats["shared"] == pytest.approx(0.7, abs=OVERLAP_TOL)
+    # Without drift, once the pool outgrows the set every free block is one of its ws members.
+    n_cand = last - CFG.n_local - CFG.n_init + 1
+    rows = np.nonzero(n_cand > ws)[0]
+    for b in range(B):
+        for g in range(CFG.n_kv_heads):
+            blocks = idx[b, rows, g]
+            free = blocks[(blocks >= CFG.n_init)
+                          & (blocks <= last[rows, None] - CFG.n_local)]
+            assert np.unique(free).size <= ws
+
+
+def test_a_smaller_or_steadier_working_set_shrinks_the_tile_union():
+    def union(**kw):
+        idx = workloads.coherent_block_idx(CFG, 1, 6000, overlap=0.6, seed=1, **kw)
+        stats = workloads.overlap_stats(idx, first=2000)
+        assert stats["shared"] == pytest.approx(0.6, abs=OVERLAP_TOL)
+        return stats["tile_union"]
+
+    everywhere = union()
+    assert union(working_set=10) < union(working_set=20) < everywhere
+    assert union(working_set=10) < union(working_set=10, drift=0.05)
+
+
+def test_the_trained_fit_matches_the_trained_models_statistics():
+    """TRAINED_FIT's synthetic selection has the overlap statistics of the trained recall
+    model's exported selection it was fitted to (bench configuration, 8k)."""
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                        "recall_benchmark_token_shift_h200", "nsa_aligned_s2",
+                        "selection_T8192.npy")
+    cfg = NSAConfig.paper(d_k=128)
+    trained = workloads.overlap_stats(workloads.load_selection(path, cfg))
+    fit = workloads.overlap_stats(workloads.coherent_block_idx(cfg, 1, 8192,
+                                                               **workloads.TRAINED_FIT))
+    assert fit["shared"] == pytest.approx(trained["shared"], abs=0.01)
+    assert fit["tile_union"] == pytest.approx(trained["tile_union"], abs=1.5)
+    assert fit["jaccard"] == pytest.approx(trained["jaccard"], abs=0.04)
+    plain = workloads.overlap_stats(workloads.coherent_block_idx(
+        cfg, 1, 8192, overlap=workloads.TRAINED_FIT["overlap"]))
+    assert plain["tile_union"] > trained["tile_union"] + 10  # what the working set adds
+
+
+def test_working_set_arguments_are_named():
+    with pytest.raises(ValueError, match="working_set"):
+        workloads.coherent_block_idx(CFG, 1, 100, overlap=0.7, working_set=9)  # < 2 x 5 free
+    with pytest.raises(ValueError, match="drift"):
+        workloads.coherent_block_idx(CFG, 1, 100, overlap=0.7, working_set=12, drift=1.5)
+    args = argparse.Namespace(workload="random", workload_file=None, overlap=0.8, cfg=CFG,
+                              working_set=12, drift=0.0)
+    with pytest.raises(ValueError, match="--working-set"):
+        workloads.check_workload_args(args)
+    args.workload = "coherent"
+    workloads.check_workload_args(args)
+    args.working_set = 4
+    with pytest.raises(ValueError, match="working_set"):
+        workloads.check_workload_args(args)
+
+
+def test_trained_fit_is_the_fitted_coherent_workload():
+    args = argparse.Namespace(workload="trained_fit", workload_file=None, overlap=0.8, cfg=CFG,
+                              working_set=None, drift=0.0, workload_seed=3)
+    workloads.check_workload_args(args)
+    np.testing.assert_array_equal(
+        workloads.prefill_block_idx(args, CFG, 1, 900),
+        workloads.coherent_block_idx(CFG, 1, 900, seed=3, **workloads.TRAINED_FIT))
+    rows = workloads.decode_block_idx(args, CFG, 2, 800, 5)
+    assert rows.shape == (5, 2, 1, CFG.n_kv_heads, CFG.n_sel)
+    args.working_set = 20
+    with pytest.raises(ValueError, match="--working-set"):
+        workloads.check_workload_args(args)
 
 
 def test_overlap_stats_on_hand_built_rows():
