@@ -458,8 +458,17 @@ def check_workload_args(args) -> None:
         raise ValueError("--workload trained needs --workload-file (a .npy selection)")
     if args.workload != "coherent" and getattr(args, "working_set", None) is not None:
         raise ValueError("--working-set applies to --workload coherent only")
-    if args.workload in SYNTHETIC:
+    if args.workload == "coherent":
         coherent_block_idx(args.cfg, 1, 1, **_coherent_options(args))  # ValueError if out of range
+    elif args.workload == "trained_fit":
+        try:
+            coherent_block_idx(args.cfg, 1, 1, **TRAINED_FIT)
+        except ValueError as e:
+            raise ValueError(
+                f"--workload trained_fit ({TRAINED_FIT}, fitted at n_sel 16 with 3 forced "
+                f"blocks) does not fit n_sel {args.cfg.n_sel} with {forced_count(args.cfg)} "
+                f"forced blocks ({e}); use --workload coherent with --overlap, --working-set "
+                "and --drift") from None
 
 
 def _coherent_options(args) -> dict:

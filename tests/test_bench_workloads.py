@@ -156,6 +156,10 @@ def test_trained_fit_is_the_fitted_coherent_workload():
     args.working_set = 20
     with pytest.raises(ValueError, match="--working-set"):
         workloads.check_workload_args(args)
+    # A configuration the fit cannot reach (n_sel 4, 3 forced blocks: overlap >= 0.75).
+    args.working_set, args.cfg = None, NSAConfig.tiny()
+    with pytest.raises(ValueError, match="trained_fit"):
+        workloads.check_workload_args(args)
 
 
 def test_overlap_stats_on_hand_built_rows():
