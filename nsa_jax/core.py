@@ -114,10 +114,10 @@ def attend(q: jax.Array, kv: Mapping[str, tuple[jax.Array, jax.Array]], gates: j
                    and dispatch.library_only("select_blocks", backend)
                    and dispatch.library_only("selected_attention", backend))
     if every_block:
-        # Every block a query may see is selected: the selection needs no scores (ranking
-        # n_sel = T / l_sel blocks costs O(n_sel^2) per query in a top-n), and the selected
-        # branch is causal attention, which the window branch's path with w = T computes
-        # flash-style (cuDNN / FA-3 / the Pallas window kernel) instead of gathering blocks.
+        # Every block a query may see is selected: the selection needs no scores (its blocks
+        # are every eligible one, in order), and the selected branch is causal attention,
+        # which the window branch's path with w = T computes flash-style (cuDNN / FA-3 / the
+        # Pallas window kernel) instead of gathering blocks.
         block_idx = every_block_idx(q.shape[0], q.shape[1], k_cmp.shape[2], cfg, segments)
         o_sel = run("sliding_window_attention", q, *kv["sel"], window=q.shape[1], scale=scale)
     else:
