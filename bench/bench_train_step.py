@@ -37,6 +37,10 @@ every block), speedup (the full-attention baseline's ms / ms; baseline fa3_full,
 cudnn_full, else xla_full). After an OOM a row's
 larger T are recorded "oom" without running; with --budget_s each row's process gets the
 budget left less ROW_RESERVE_S per row still to run, and what it did not finish is "timeout".
+With --profile_top N, each point's step is also traced once (`jax.profiler`, as
+bench/profile_decode.py does): busy_ms (the union of the kernels' intervals) and kernels (launches
+per step) join its record, and its N costliest kernels (name, launches, us, share of busy) go to
+train_step_kernels.csv.
 Writes train_step.csv, train_step_latest.csv (one line per row and T, with the commit),
 train_step_summary.txt and train_step_env.json to --out after every row.
 
@@ -64,7 +68,9 @@ COLUMNS = ["bench", "row", "impl", "T", "B", "layers", "d_model", "H", "G", "dk"
            "d", "l_sel", "n_sel", "w", "dtype", "backend", "kl_mode", "kl_weight", "query_stride",
            "status",
            "ms", "ms_min", "ms_max", "compile_s", "peak_mb", "device_peak_mb", "kl_share",
-           "speedup", "baseline", "note", "device"]
+           "speedup", "baseline", "note", "device", "busy_ms", "kernels"]
+KERNEL_COLUMNS = ["row", "T", "rank", "kernel", "per_step", "us_per_step", "share_of_busy",
+                  "device", "commit"]
 LATEST_COLUMNS = ["row", "T", "ms", "kl_share", "speedup", "peak_mb", "device_peak_mb",
                   "device", "commit", "status"]
 # Run order: the full-attention rows first, the most expensive step last (under --budget_s, a
@@ -197,6 +203,12 @@ def run_point(args, row: str, T: int, built) -> dict[str, Any]:
         record["device_peak_mb"] = common.mb(common.jax_device_peak_bytes())
     if not np.isfinite(loss):
         record["note"] = f"loss not finite ({loss})"
+    if args.profile_top:
+        from bench import profile_decode
+
+        _, busy, per_step, ranked = profile_decode.trace_kernels(
+            lambda: jax.block_until_ready(step(0)), 1, args.profile_top)
+        record.update(busy_ms=busy, kernels=per_step, top_kernels=ranked)
     return record
 
 
@@ -275,6 +287,12 @@ def write_outputs(args, records: list[dict], env: dict) -> tuple[str, str, str]:
     measured). Returns (CSV path, table, title)."""
     records = sorted((dict(r) for r in records), key=_order)
     add_derived(records)
+    kernels = [dict(row=r["row"], T=r["T"], rank=i + 1, **k, device=r.get("device"),
+                    commit=env["commit"][:12])
+               for r in records for i, k in enumerate(r.pop("top_kernels", None) or [])]
+    if kernels:
+        common.write_csv(os.path.join(args.out, "train_step_kernels.csv"), kernels,
+                         KERNEL_COLUMNS)
     cfg = args.cfg
     title = (f"NSA training step: {args.layers} layers, d_model {cfg.d_model}, H {cfg.n_heads}, "
              f"G {cfg.n_kv_heads}, d_k {cfg.d_k}, d_v {cfg.d_v}, B {args.B}, {args.dtype} on "
@@ -308,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_nsa_args(p)
     p.add_argument("--rows", default=None,
                    help=f"comma subset of: {','.join(ROWS)} (default: all for the device)")
+    p.add_argument("--profile_top", type=int, default=0,
+                   help="trace each point's step once and list its N costliest kernels in "
+                        "train_step_kernels.csv (0: no trace)")
     p.add_argument("--out", default="artifacts/train_step", help="directory for the outputs")
     p.add_argument("--isolate", default="row", choices=("row", "none"),
                    help="run each row in its own process (default: per-row device peak) or all "
@@ -328,6 +349,8 @@ def parse_args(argv=None):
     for name in ("B", "layers"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name} ({getattr(args, name)}) must be positive")
+    if args.profile_top < 0:
+        raise ValueError(f"--profile_top ({args.profile_top}) must be >= 0")
     args.backend = tuple((args.backend or ("pallas,xla" if args.device == "gpu" else "xla"))
                          .split(","))
     chosen = common.parse_rows(args.rows, ROWS, DEFAULT_ROWS[args.device])

@@ -80,6 +80,31 @@ def busy_ns(events) -> int:
     return total
 
 
+def trace_kernels(run, steps: int, top: int) -> tuple[str, float, float, list[dict]]:
+    """Trace one call of `run` (which does `steps` steps and blocks until they finish) with
+    `jax.profiler`. -> (trace plane, busy ms per step, kernels per step, the `top` kernels by
+    summed time: [{kernel, per_step, us_per_step, share_of_busy}])."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        plane, events = device_events(trace_dir)
+    busy = busy_ns(events) / 1e6 / steps
+    by_name = collections.defaultdict(lambda: [0, 0])
+    for name, a, b in events:
+        by_name[name][0] += 1
+        by_name[name][1] += b - a
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    kernels = [dict(kernel=name[:120], per_step=count / steps, us_per_step=ns / 1e3 / steps,
+                    share_of_busy=ns / 1e6 / steps / busy if busy else None)
+               for name, (count, ns) in ranked]
+    return plane, busy, len(events) / steps, kernels
+
+
 def _step_and_cache(args, what: str, B: int, S: int):
     if what in ("nsa", "nsa_base"):
         import functools
@@ -121,28 +146,18 @@ def profile_point(args, what: str, B: int, S: int) -> tuple[dict, list[dict]]:
     ys, cache, _ = loop(params, stacked, cache)
     jax.block_until_ready(ys)
     wall_ms = (time.perf_counter() - start) * 1e3 / n
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        try:
-            ys, cache, _ = loop(params, stacked, cache)
-            jax.block_until_ready(ys)
-        finally:
-            jax.profiler.stop_trace()
-        plane, events = device_events(trace_dir)
-    del cache
-    busy = busy_ns(events) / 1e6 / n
+    state = {"cache": cache}
+
+    def run():
+        ys, state["cache"], _ = loop(params, stacked, state["cache"])
+        jax.block_until_ready(ys)
+
+    plane, busy, per_step, ranked = trace_kernels(run, n, args.top)
     record.update(status=OK, wall_ms=wall_ms, busy_ms=busy, trace_plane=plane,
-                  idle_share=max(0.0, 1 - busy / wall_ms), kernels_per_step=len(events) / n)
-    by_name = collections.defaultdict(lambda: [0, 0])
-    for name, a, b in events:
-        by_name[name][0] += 1
-        by_name[name][1] += b - a
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:args.top]
-    kernels = [dict(B=B, S=S, what=what, label=args.label, rank=i + 1, kernel=name[:120],
-                    per_step=count / n, us_per_step=ns / 1e3 / n,
-                    share_of_busy=ns / 1e6 / n / busy if busy else None,
+                  idle_share=max(0.0, 1 - busy / wall_ms), kernels_per_step=per_step)
+    kernels = [dict(B=B, S=S, what=what, label=args.label, rank=i + 1, **k,
                     device=args.device_label, commit=args.commit)
-               for i, (name, (count, ns)) in enumerate(ranked)]
+               for i, k in enumerate(ranked)]
     return record, kernels
 
 

@@ -716,6 +716,29 @@ def test_train_step_rows_in_their_own_processes(tmp_path, cpu_env):
     assert all("needs a GPU" in r["note"] for r in records)
 
 
+def test_train_step_profile_lists_each_points_costliest_kernels(tmp_path, cpu_env):
+    """--profile_top N: each point's step is traced once; its busy time and launches join the
+    record (the records also pass through a row's own process) and its N costliest kernels,
+    ranked by time, go to train_step_kernels.csv."""
+    code = bench_train_step.main(TINY_TRAIN + ["--rows", "xla_full,nsa", "--profile_top", "3",
+                                               "--out", str(tmp_path)])
+    assert code == 0
+    _, records = _read(tmp_path / "train_step.csv")
+    assert [r["row"] for r in records] == ["xla_full", "nsa"]
+    for r in records:
+        assert r["status"] == "ok" and float(r["busy_ms"]) > 0 and float(r["kernels"]) >= 1
+    columns, kernels = _read(tmp_path / "train_step_kernels.csv")
+    assert columns == bench_train_step.KERNEL_COLUMNS
+    for row in ("xla_full", "nsa"):
+        mine = [k for k in kernels if k["row"] == row]
+        assert [k["rank"] for k in mine] == [str(i + 1) for i in range(len(mine))]
+        assert 1 <= len(mine) <= 3 and all(k["T"] == "64" and k["kernel"] for k in mine)
+        times = [float(k["us_per_step"]) for k in mine]
+        assert times == sorted(times, reverse=True) and times[-1] > 0
+    with pytest.raises(ValueError, match="--profile_top"):
+        bench_train_step.parse_args(["--device", "cpu", "--profile_top", "-1"])
+
+
 def test_train_step_alignment_share_and_speedup():
     """kl_share = (ms - nsa's ms) / ms at the same T; the speed-up is against FA-3, else cuDNN."""
     def record(row, T, ms):
