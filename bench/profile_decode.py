@@ -146,10 +146,9 @@ def profile_point(args, what: str, B: int, S: int) -> tuple[dict, list[dict]]:
     ys, cache, _ = loop(params, stacked, cache)
     jax.block_until_ready(ys)
     wall_ms = (time.perf_counter() - start) * 1e3 / n
-    state = {"cache": cache}
-
     def run():
-        ys, state["cache"], _ = loop(params, stacked, state["cache"])
+        nonlocal cache
+        ys, cache, _ = loop(params, stacked, cache)
         jax.block_until_ready(ys)
 
     plane, busy, per_step, ranked = trace_kernels(run, n, args.top)

@@ -458,12 +458,12 @@ def check_workload_args(args) -> None:
         raise ValueError("--workload trained needs --workload-file (a .npy selection)")
     if args.workload != "coherent" and getattr(args, "working_set", None) is not None:
         raise ValueError("--working-set applies to --workload coherent only")
-    if args.workload == "coherent":
-        coherent_block_idx(args.cfg, 1, 1, **_coherent_options(args))  # ValueError if out of range
-    elif args.workload == "trained_fit":
+    if args.workload in SYNTHETIC:
         try:
-            coherent_block_idx(args.cfg, 1, 1, **TRAINED_FIT)
+            coherent_block_idx(args.cfg, 1, 1, **_coherent_options(args))  # the same checks
         except ValueError as e:
+            if args.workload == "coherent":
+                raise
             raise ValueError(
                 f"--workload trained_fit ({TRAINED_FIT}, fitted at n_sel 16 with 3 forced "
                 f"blocks) does not fit n_sel {args.cfg.n_sel} with {forced_count(args.cfg)} "
