@@ -243,12 +243,16 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
 
 
 def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n_cmp, n_blocks,
-                   n_init, n_local, score_offset, block_sel, contiguous):
+                   n_init, n_local, score_offset, block_sel, contiguous, heads, splits, n_steps):
     """Grid (batch row, KV head, step). The decode selection scores of one query from the
-    compressed kernel's scores: t_ref [1]; lse_ref [h_pad] (the final log2 lse; +inf on padded
-    heads, 0 where no key was seen); s_ref [h_pad, n_cols] (slot i's log2 score at column
+    compressed kernel's scores: t_ref [1]; lse_ref [S_pad, h_pad] (the compressed kernel's log2
+    lse of each split; rows from `splits` on are never written), merged here as the combine
+    merges them (so this kernel does not wait for the combine, and no XLA kernel turns the
+    merged lse into the rows below); s_ref [h_pad, n_cols] (slot i's log2 score at column
     score_offset + i, MASK where not admissible); value_ref [1, block_sel]: the scores of
     selection blocks `[k*block_sel, (k+1)*block_sel)` for step k, ranked after by `top_n`.
+    Steps from `n_steps` on (the output padded to the top-n kernel's power-of-two rows) write
+    -inf and read nothing.
 
     Selection block j weighs compressed slots `j*r + m` (r = l_sel / d) by `offsets`, the
     `((m, weight), ...)` of `nsa_common.overlap_by_offset`, each slot's `2^(s - lse)` summed over
@@ -258,10 +262,40 @@ def _select_kernel(t_ref, lse_ref, s_ref, value_ref, *, offsets, r, sel_block, n
     Forced blocks get +inf, blocks after t's (and NaN scores) -inf. No running top-n here: with
     one query per program its rounds are serial (75 us at B 32, 64k on an H100), while the
     top-n kernel ranks all rows at once."""
-    t = t_ref[0]
-    lse = lse_ref[...]
-    last = lax.div(t, jnp.int32(sel_block))
     k = pl.program_id(2)
+
+    @pl.when(k >= n_steps)
+    def _padding():
+        value_ref[...] = jnp.full(value_ref.shape, -jnp.inf, jnp.float32)
+
+    @pl.when(k < n_steps)
+    def _scores():
+        _select_step(t_ref, _merged_lse(lse_ref, heads, splits), s_ref, value_ref, k,
+                     offsets=offsets, r=r, sel_block=sel_block, n_cmp=n_cmp, n_blocks=n_blocks,
+                     n_init=n_init, n_local=n_local, score_offset=score_offset,
+                     block_sel=block_sel, contiguous=contiguous)
+
+
+def _merged_lse(lse_ref, heads: int, splits: int):
+    """The `[h_pad]` log2 lse the selection divides by, from the splits' `[S_pad, h_pad]`:
+    `combine_splits`' merge; 0 for a head that saw no key (its scores are all MASK), +inf on
+    the padded heads (whose zero queries have finite scores: 2^(s - inf) = 0 drops them)."""
+    row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
+    part = jnp.where(row < splits, lse_ref[...], -jnp.inf)
+    m = jnp.max(part, axis=0)
+    m = jnp.where(m > -jnp.inf, m, 0.0)
+    total = jnp.sum(jnp.where(part > -jnp.inf, jnp.exp2(part - m[None, :]), 0.0), axis=0)
+    lse = jnp.where(total > 0, m + jnp.log2(jnp.where(total > 0, total, 1.0)), 0.0)
+    lse = jnp.where(jnp.abs(lse) < jnp.inf, lse, 0.0)          # NaN too
+    head = lax.broadcasted_iota(jnp.int32, lse.shape, 0)
+    return jnp.where(head < heads, lse, jnp.inf)
+
+
+def _select_step(t_ref, lse, s_ref, value_ref, k, *, offsets, r, sel_block, n_cmp, n_blocks,
+                 n_init, n_local, score_offset, block_sel, contiguous):
+    """`_select_kernel`'s step k < n_steps, with the merged lse `[h_pad]`."""
+    t = t_ref[0]
+    last = lax.div(t, jnp.int32(sel_block))
     j = k * block_sel + lax.broadcasted_iota(jnp.int32, (1, block_sel), 1)
 
     def head_sum(s, slot):
@@ -548,10 +582,10 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     if implementation == "xla":
         return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
-    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
-                                      cmp_stride=cmp_stride, scale=scale,
-                                      bs=_default_block_sizes(block_sizes, q, v_cmp),
-                                      interpret=interpret)
+    o, lse_log2, s, _ = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                         cmp_stride=cmp_stride, scale=scale,
+                                         bs=_default_block_sizes(block_sizes, q, v_cmp),
+                                         interpret=interpret)
     # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
     h, C = H // G, k_cmp.shape[1]
     s = s[:, :, :h, :C]
@@ -565,7 +599,8 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
     """The compressed kernel and the combine of its splits: (o [B, H, d_v] in q's dtype,
     lse_log2 [B, G, h] float32, the raw log2 scores [B, G, h_pad, n_cols] float32 with slot i at
     column score_offset + i, n_cols >= max(score_offset + slots, min_cols); columns no slot
-    maps to are never written)."""
+    maps to are never written, (lse_part [B, G, S_pad, h_pad], splits): the splits' log2 lse
+    before the combine)."""
     B, H, dk = q.shape
     G, C, dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
     h = H // G
@@ -600,7 +635,7 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
     )(t, _query_rows(q, G, dk_pad), kc, vc)
     [(o, lse_log2)] = _combine([(o_part, lse_part)], splits, q.dtype, num_warps=bs.num_warps,
                                interpret=interpret)
-    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s
+    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s, (lse_part, splits)
 
 
 def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
@@ -637,31 +672,30 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
     block_sel = bs.block_sel
     n_steps = -(-n_blocks // block_sel)
-    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
-                                      cmp_stride=cmp_stride, scale=scale, bs=bs,
-                                      interpret=interpret, score_offset=left,
-                                      min_cols=left + n_steps * block_sel * r)
-    h_pad = s.shape[2]
-    # Padded heads get lse +inf (2^(s - inf) = 0); a query that saw no key gets 0 (its scores
-    # are all MASK).
-    lse_rows = pad_axis(jnp.where(jnp.isfinite(lse_log2), lse_log2, 0.0), 2, h_pad,
-                        value=jnp.inf)
+    o, lse_log2, s, (lse_part, splits) = _compressed_call(
+        q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale, bs=bs,
+        interpret=interpret, score_offset=left, min_cols=left + n_steps * block_sel * r)
+    h_pad, s_pad = s.shape[2], lse_part.shape[2]
+    # The output as wide as the top-n kernel's rows (a power of two), so that no XLA pad
+    # kernel sits between the two.
+    n_out = -(-next_pow2(max(n_steps * block_sel, n_sel)) // block_sel)
     geometry = SimpleNamespace(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block)
     kernel = functools.partial(_select_kernel, offsets=overlap_by_offset(geometry), r=r,
                                sel_block=sel_block, n_cmp=k_cmp.shape[1], n_blocks=n_blocks,
                                n_init=n_init, n_local=n_local, score_offset=left,
                                block_sel=block_sel,
-                               contiguous=bs.select_contiguous and r == next_pow2(r))
+                               contiguous=bs.select_contiguous and r == next_pow2(r),
+                               heads=H // G, splits=splits, n_steps=n_steps)
     value = pallas_call(
         kernel, name="nsa_decode_select", num_warps=bs.num_warps_select, num_stages=1,
         interpret=interpret,
-        grid=(B, G, n_steps),
+        grid=(B, G, n_out),
         in_specs=[pl.BlockSpec((1,), lambda b, g, k: (b,)),
-                  pl.BlockSpec((None, None, h_pad), lambda b, g, k: (b, g, 0)),
+                  pl.BlockSpec((None, None, s_pad, h_pad), lambda b, g, k: (b, g, 0, 0)),
                   pl.BlockSpec((None, None, h_pad, s.shape[3]), lambda b, g, k: (b, g, 0, 0))],
         out_specs=pl.BlockSpec((None, None, 1, block_sel), lambda b, g, k: (b, g, 0, k)),
-        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_steps * block_sel), jnp.float32),
-    )(t, lse_rows, s)
+        out_shape=jax.ShapeDtypeStruct((B, G, 1, n_out * block_sel), jnp.float32),
+    )(t, lse_part, s)
     # Columns past n_blocks hold -inf, so the top-n never picks them.
     ranking = BlockSizes(topn_elements=bs.topn_elements, num_warps_topn=bs.num_warps_topn)
     idx = top_n(value[:, :, 0], n_sel, block_sizes=ranking, interpret=interpret)
