@@ -485,6 +485,14 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         return dispatch.call(entry, backend, *args, options=options, positions=positions,
                              **kwargs)
 
+    parts = ("decode_compressed_select", "decode_selected_window_attention")
+    if (window is None and all(b in branches for b in BRANCHES)
+            and all(dispatch.library_only(entry, backend) for entry in parts)):
+        # One entry for the three (Pallas: one combine kernel for their splits); not where a
+        # backend registered from outside would run one of the two entries it replaces.
+        return run("decode_attention", q, cache.k_cmp, cache.v_cmp, cache.k_sel, cache.v_sel,
+                   cache.k_win, cache.v_win, cfg, scale=cfg.scale,
+                   n_sel_blocks=num_sel_blocks(cfg, cache.max_len), block_idx=forced)
     if "sel" in branches:
         # One entry for both (Pallas: the selection reads the compressed kernel's scores).
         o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,

@@ -35,6 +35,10 @@ cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
                                      positions, scale, window_tokens) -> (o_sel, o_win)
         (window_tokens None: k_win / v_win are the cache's ring, token s in slot s % W;
         otherwise int `[B, K]`, the token held by each of their K rows)
+    decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg, *, positions, scale,
+                     n_sel_blocks, block_idx) -> (o_cmp, o_sel, o_win, block_idx): the two
+        above on the cache's ring in one entry, which a backend may fuse (block_idx None: the
+        entry selects; given: the selected branch reads those blocks)
 
 plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
 only passed to backends registered with `packed=True`) and `options=` (that backend's entry of
@@ -60,7 +64,8 @@ from nsa_jax import nonfinite, xla
 BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_attention",
             "sliding_window_attention", "selected_block_mass", "selected_importance")
 DECODE_BRANCHES = ("decode_append", "decode_compressed_attention", "decode_select_blocks",
-                   "decode_compressed_select", "decode_selected_window_attention")
+                   "decode_compressed_select", "decode_selected_window_attention",
+                   "decode_attention")
 
 Backend = Union[str, Sequence[str]]
 

@@ -214,4 +214,5 @@ GUARDS = {
     "decode_select_blocks": unguarded,
     "decode_compressed_select": unguarded,
     "decode_selected_window_attention": unguarded,
+    "decode_attention": unguarded,
 }

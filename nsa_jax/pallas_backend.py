@@ -17,9 +17,11 @@ GPU (`PallasOptions.window_kernel`, default on there); in interpret mode, or wit
 `window_kernel=False`, this adapter declines it and backend `"xla"` runs it (FA-3, cuDNN or its
 chunked path, by `options["xla"]`).
 
-Decode (`pallas_kernels.decode`): a decode step runs `decode_compressed_select` (the compressed
-kernel, a selection kernel that turns its scores into the blocks' scores: head sums, overlap
-weights, forced blocks; the top-n kernel), then one kernel for the selected and window branches. The
+Decode (`pallas_kernels.decode`): a decode step runs `decode_attention`: the compressed kernel,
+a selection kernel that turns its scores into the blocks' scores (head sums, overlap weights,
+forced blocks), the top-n kernel, one kernel for the selected and window branches, and one
+combine kernel for the three branches' splits. `decode_compressed_select` and
+`decode_selected_window_attention` serve a step asked for some branches only. The
 unfused entries stay registered (`decode_compressed_attention` alone; `decode_select_blocks`:
 `band_scores` in XLA and the top-n kernel). The kernels take one query per sequence over the
 cache's window ring; a chunk of queries (chunked prefill) goes to XLA.
@@ -337,6 +339,21 @@ def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, c
     return o_sel[:, None], o_win[:, None]
 
 
+def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg: NSAConfig, *, positions,
+                     scale, n_sel_blocks: int, block_idx=None,
+                     options: Optional[PallasOptions] = None):
+    """The three branches in five kernels, one combine for all (`pallas_kernels.decode_attention`)."""
+    _one_query(q, "decode_attention")
+    options = options or DEFAULT_OPTIONS
+    o_cmp, o_sel, o_win, idx = kernels.decode_attention(
+        q[:, 0], k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions[:, 0],
+        cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block,
+        n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, n_blocks=n_sel_blocks,
+        window=cfg.window, scale=scale, block_idx=None if block_idx is None else block_idx[:, 0],
+        block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
+    return o_cmp[:, None], o_sel[:, None], o_win[:, None], idx[:, None]
+
+
 def register() -> None:
     """Register the Pallas branches and decode entries with `nsa_jax.dispatch` under the name
     "pallas", with "xla" for the rest."""
@@ -354,4 +371,5 @@ def register() -> None:
     register_backend("decode_append", "pallas", decode_append)
     register_backend("decode_selected_window_attention", "pallas",
                      decode_selected_window_attention)
+    register_backend("decode_attention", "pallas", decode_attention)
     register_fallback("pallas", "xla")

@@ -52,6 +52,7 @@ __all__ = [
     "DecodeBlockSizes",
     "append_rows",
     "append_rows_packed",
+    "decode_attention",
     "decode_compressed",
     "decode_compressed_reference",
     "decode_compressed_select",
@@ -195,9 +196,9 @@ def _cmp_kernel(t_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, s_ref, *, scale, cmp
 
 def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_ref, ls_ref,
                     ow_ref, lw_ref, *, scale, sel_block, tile, window, block_win, ring,
-                    blocks_per_split, ring_tiles_per_split, dk_parts):
+                    n_sel, blocks_per_split, ring_tiles_per_split, dk_parts):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); idx_ref [n_sel_pad]
-    (-1 = none); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref [L, dv_pad] (every token);
+    (-1 = none; the first n_sel are read); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref [L, dv_pad] (every token);
     kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
     s < ring holds token t - (t - s) mod ring). This split's partial softmaxes over its share of
     the selected blocks and of the ring tiles: os_ref, ow_ref [h_pad, dv_pad] (float32,
@@ -220,7 +221,8 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
         return online_softmax_step(carry, s, v)
 
     first_block = split * blocks_per_split
-    carry = lax.fori_loop(first_block, first_block + blocks_per_split, visit_block,
+    end_block = jnp.minimum(first_block + blocks_per_split, n_sel)
+    carry = lax.fori_loop(first_block, jnp.maximum(first_block, end_block), visit_block,
                           online_softmax_init(*os_ref.shape))
     os_ref[...], ls_ref[...] = online_softmax_finish(carry)
 
@@ -336,58 +338,64 @@ def combine_splits(o_part, lse_part):
     return o, jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
-def _combine_kernel(*refs, splits: int, n: int):
-    """Grid (batch row, KV head, head chunk, d_v chunk). The split-KV combine of `n` partial
-    softmaxes: refs = n x lse_ref [S_pad, h_c] (log2; rows from `splits` on are never written),
-    n x o_ref [S_pad, h_c, dv_c] (float32, each normalised over its split's keys), then n x
-    out_ref [h_c, dv_c] (the merged o, in the output dtype; 0 where no split saw a key) and n x
-    lse_out_ref [h_c] (log2, -inf there; every d_v chunk writes the same values). The whole slab
-    is loaded at once (no loop over the splits), and the grid spreads a batch of one over many
-    SMs. `combine_splits` is the same in XLA."""
+def _combine_kernel(*refs, splits: tuple):
+    """Grid (batch row, KV head, head chunk, d_v chunk). The split-KV combine of `n =
+    len(splits)` partial softmaxes: refs = n x lse_ref [S_pad_i, h_c] (log2; rows from
+    `splits[i]` on are never written), n x o_ref [S_pad_i, h_c, dv_c] (float32, each normalised
+    over its split's keys), then n x out_ref [h_c, dv_c] (the merged o, in the output dtype; 0
+    where no split saw a key) and n x lse_out_ref [h_c] (log2, -inf there; every d_v chunk
+    writes the same values). The whole slab is loaded at once (no loop over the splits), and
+    the grid spreads a batch of one over many SMs. `combine_splits` is the same in XLA."""
+    n = len(splits)
     lse_refs, o_refs = refs[:n], refs[n:2 * n]
     out_refs, lse_out_refs = refs[2 * n:3 * n], refs[3 * n:]
-    for lse_ref, o_ref, out_ref, lse_out_ref in zip(lse_refs, o_refs, out_refs, lse_out_refs):
+    for used, lse_ref, o_ref, out_ref, lse_out_ref in zip(splits, lse_refs, o_refs, out_refs,
+                                                          lse_out_refs):
         row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
-        lse = jnp.where(row < splits, lse_ref[...], -jnp.inf)
+        lse = jnp.where(row < used, lse_ref[...], -jnp.inf)
         m = jnp.max(lse, axis=0)
         m = jnp.where(m > -jnp.inf, m, 0.0)
         weight = jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0)     # [S_pad, h_c]
         total = jnp.sum(weight, axis=0)
         row3 = lax.broadcasted_iota(jnp.int32, o_ref.shape, 0)
-        o = jnp.where(row3 < splits, o_ref[...], 0.0)    # unwritten rows may hold NaN
+        o = jnp.where(row3 < used, o_ref[...], 0.0)    # unwritten rows may hold NaN
         acc = jnp.sum(weight[:, :, None] * o, axis=0)
         safe = jnp.where(total > 0, total, 1.0)
         out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
         lse_out_ref[...] = jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
-# Elements of the o slab one combine program loads (4,096: 32 float32 registers a thread at 4
-# warps).
+# Elements of the largest o slab one combine program loads (4,096: 32 float32 registers a thread
+# at 4 warps).
 _COMBINE_SLAB = 4096
 
 
-def _combine(parts, splits: int, dtype, *, num_warps: int, interpret: bool):
-    """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad]), ...]` ->
-    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all.
-    A program takes `[S_pad, h_c, dv_c]` of each (about `_COMBINE_SLAB` elements, powers of two,
-    dv_c >= 16)."""
-    B, G, S_pad, h_pad, dv_pad = parts[0][0].shape
-    dv_c = max(16, min(dv_pad, _COMBINE_SLAB // (S_pad * h_pad)))
-    h_c = max(1, min(h_pad, _COMBINE_SLAB // (S_pad * dv_c)))
+def _combine(parts, dtype, *, num_warps: int, interpret: bool):
+    """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad], splits),
+    ...]` (S_pad may differ between parts; `splits` rows of each are written) ->
+    `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all,
+    so that a step's branches share one launch. A program takes `[S_pad, h_c, dv_c]` of each
+    (about `_COMBINE_SLAB` elements for the largest S_pad, powers of two, dv_c >= 16)."""
+    B, G, _, h_pad, dv_pad = parts[0][0].shape
+    s_max = max(o.shape[2] for o, _, _ in parts)
+    dv_c = max(16, min(dv_pad, _COMBINE_SLAB // (s_max * h_pad)))
+    h_c = max(1, min(h_pad, _COMBINE_SLAB // (s_max * dv_c)))
     n = len(parts)
     grid = (B, G, h_pad // h_c, dv_pad // dv_c)
-    lse_spec = pl.BlockSpec((None, None, S_pad, h_c), lambda b, g, i, j: (b, g, 0, i))
-    o_spec = pl.BlockSpec((None, None, S_pad, h_c, dv_c), lambda b, g, i, j: (b, g, 0, i, j))
+    lse_specs = [pl.BlockSpec((None, None, o.shape[2], h_c), lambda b, g, i, j: (b, g, 0, i))
+                 for o, _, _ in parts]
+    o_specs = [pl.BlockSpec((None, None, o.shape[2], h_c, dv_c),
+                            lambda b, g, i, j: (b, g, 0, i, j)) for o, _, _ in parts]
     out_spec = pl.BlockSpec((None, None, h_c, dv_c), lambda b, g, i, j: (b, g, i, j))
     lse_out_spec = pl.BlockSpec((None, None, h_c), lambda b, g, i, j: (b, g, i))
     outs = pallas_call(
-        functools.partial(_combine_kernel, splits=splits, n=n), name="nsa_decode_combine",
-        num_warps=num_warps, num_stages=1, interpret=interpret, grid=grid,
-        in_specs=[lse_spec] * n + [o_spec] * n,
+        functools.partial(_combine_kernel, splits=tuple(used for _, _, used in parts)),
+        name="nsa_decode_combine", num_warps=num_warps, num_stages=1, interpret=interpret,
+        grid=grid, in_specs=lse_specs + o_specs,
         out_specs=[out_spec] * n + [lse_out_spec] * n,
         out_shape=([jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)] * n
                    + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
-    )(*[lse for _, lse in parts], *[o for o, _ in parts])
+    )(*[lse for _, lse, _ in parts], *[o for o, _, _ in parts])
     return list(zip(outs[:n], outs[n:]))
 
 
@@ -582,10 +590,10 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     if implementation == "xla":
         return decode_compressed_reference(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                            cmp_stride=cmp_stride, scale=scale)
-    o, lse_log2, s, _ = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
-                                         cmp_stride=cmp_stride, scale=scale,
-                                         bs=_default_block_sizes(block_sizes, q, v_cmp),
-                                         interpret=interpret)
+    o, lse_log2, s = _compressed_call(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                      cmp_stride=cmp_stride, scale=scale,
+                                      bs=_default_block_sizes(block_sizes, q, v_cmp),
+                                      interpret=interpret)
     # One fused XLA pass: p = 2^(s - lse2) over the real heads and slots, summed over the heads.
     h, C = H // G, k_cmp.shape[1]
     s = s[:, :, :h, :C]
@@ -594,13 +602,24 @@ def decode_compressed(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int, sc
     return o, (lse_log2 * LN_2).reshape(B, H), p_group
 
 
-def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
-                     score_offset: int = 0, min_cols: int = 0):
+def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret):
     """The compressed kernel and the combine of its splits: (o [B, H, d_v] in q's dtype,
-    lse_log2 [B, G, h] float32, the raw log2 scores [B, G, h_pad, n_cols] float32 with slot i at
-    column score_offset + i, n_cols >= max(score_offset + slots, min_cols); columns no slot
-    maps to are never written, (lse_part [B, G, S_pad, h_pad], splits): the splits' log2 lse
-    before the combine)."""
+    lse_log2 [B, G, h] float32, the raw log2 scores of `_compressed_parts`)."""
+    B, H, _ = q.shape
+    G, dv = k_cmp.shape[2], v_cmp.shape[3]
+    h = H // G
+    part, s = _compressed_parts(q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                                scale=scale, bs=bs, interpret=interpret)
+    [(o, lse_log2)] = _combine([part], q.dtype, num_warps=bs.num_warps, interpret=interpret)
+    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s
+
+
+def _compressed_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
+                      score_offset: int = 0, min_cols: int = 0):
+    """The compressed kernel: ((o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad,
+    h_pad], splits), the split-KV partial softmaxes that `_combine` merges; the raw log2 scores
+    [B, G, h_pad, n_cols] float32 with slot i at column score_offset + i, n_cols >=
+    max(score_offset + slots, min_cols); columns no slot maps to are never written)."""
     B, H, dk = q.shape
     G, C, dv = k_cmp.shape[2], k_cmp.shape[1], v_cmp.shape[3]
     h = H // G
@@ -633,9 +652,26 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
                    jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, h_pad, n_cols), jnp.float32)],
     )(t, _query_rows(q, G, dk_pad), kc, vc)
-    [(o, lse_log2)] = _combine([(o_part, lse_part)], splits, q.dtype, num_warps=bs.num_warps,
-                               interpret=interpret)
-    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s, (lse_part, splits)
+    return (o_part, lse_part, splits), s
+
+
+def _check_selection(k_cmp, v_cmp, *, cmp_block, cmp_stride, sel_block, n_sel, n_blocks):
+    if k_cmp.shape[1] != v_cmp.shape[1]:
+        raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
+    if sel_block % cmp_stride or cmp_block % cmp_stride:
+        raise ValueError(f"sel_block ({sel_block}) and cmp_block ({cmp_block}) must be "
+                         f"multiples of cmp_stride ({cmp_stride})")
+    if n_sel < 1 or n_blocks < 1:
+        raise ValueError(f"n_sel ({n_sel}) and n_blocks ({n_blocks}) must be >= 1")
+
+
+def _check_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win):
+    B, H, G, dk, dv = _check_group_inputs(
+        q, {"k_sel": k_sel, "v_sel": v_sel, "k_win": k_win, "v_win": v_win}, "v_sel")
+    if block_idx is not None and (block_idx.ndim != 3 or block_idx.shape[:2] != (B, G)):
+        raise ValueError(f"block_idx must be [B={B}, G={G}, n_sel], got shape {block_idx.shape}")
+    if v_win.shape[3] != dv:
+        raise ValueError(f"v_win has d_v {v_win.shape[3]}, v_sel has {dv}")
 
 
 def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: int,
@@ -656,25 +692,37 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     """
     check_implementation(implementation)
     B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
-    if k_cmp.shape[1] != v_cmp.shape[1]:
-        raise ValueError(f"k_cmp has {k_cmp.shape[1]} slots, v_cmp {v_cmp.shape[1]}")
-    if sel_block % cmp_stride or cmp_block % cmp_stride:
-        raise ValueError(f"sel_block ({sel_block}) and cmp_block ({cmp_block}) must be "
-                         f"multiples of cmp_stride ({cmp_stride})")
-    if n_sel < 1 or n_blocks < 1:
-        raise ValueError(f"n_sel ({n_sel}) and n_blocks ({n_blocks}) must be >= 1")
+    _check_selection(k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                     sel_block=sel_block, n_sel=n_sel, n_blocks=n_blocks)
     t = _positions(t, B)
     if implementation == "xla":
         return decode_compressed_select_reference(
             q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
             n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale)
     bs = _default_block_sizes(block_sizes, q, v_cmp)
+    part, idx = _compressed_select_parts(
+        q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+        n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale, bs=bs,
+        interpret=interpret)
+    [(o, lse_log2)] = _combine([part], q.dtype, num_warps=bs.num_warps, interpret=interpret)
+    h = H // G
+    o = o[:, :, :h, :dv].reshape(B, H, dv)
+    return o, (lse_log2[:, :, :h] * LN_2).reshape(B, H), idx
+
+
+def _compressed_select_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, sel_block, n_sel,
+                             n_init, n_local, n_blocks, scale, bs, interpret):
+    """The compressed kernel, the selection kernel and the top-n kernel: (the compressed
+    branch's split parts for `_combine`, block_idx [B, G, n_sel])."""
+    B, H, _ = q.shape
+    G = k_cmp.shape[2]
     r, left = sel_block // cmp_stride, cmp_block // cmp_stride - 1
     block_sel = bs.block_sel
     n_steps = -(-n_blocks // block_sel)
-    o, lse_log2, s, (lse_part, splits) = _compressed_call(
+    part, s = _compressed_parts(
         q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale, bs=bs,
         interpret=interpret, score_offset=left, min_cols=left + n_steps * block_sel * r)
+    _, lse_part, splits = part
     h_pad, s_pad = s.shape[2], lse_part.shape[2]
     # The output as wide as the top-n kernel's rows (a power of two), so that no XLA pad
     # kernel sits between the two.
@@ -698,8 +746,7 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
     )(t, lse_part, s)
     # Columns past n_blocks hold -inf, so the top-n never picks them.
     ranking = BlockSizes(topn_elements=bs.topn_elements, num_warps_topn=bs.num_warps_topn)
-    idx = top_n(value[:, :, 0], n_sel, block_sizes=ranking, interpret=interpret)
-    return o, (lse_log2 * LN_2).reshape(B, H), idx
+    return part, top_n(value[:, :, 0], n_sel, block_sizes=ranking, interpret=interpret)
 
 
 def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block: int,
@@ -715,17 +762,30 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     (W >= min(window, t + 1)). Returns `(o_sel, o_win)`, each `[B, H, d_v]` in q's dtype.
     """
     check_implementation(implementation)
-    B, H, G, dk, dv = _check_group_inputs(
-        q, {"k_sel": k_sel, "v_sel": v_sel, "k_win": k_win, "v_win": v_win}, "v_sel")
-    if block_idx.ndim != 3 or block_idx.shape[:2] != (B, G):
-        raise ValueError(f"block_idx must be [B={B}, G={G}, n_sel], got shape {block_idx.shape}")
-    if v_win.shape[3] != dv:
-        raise ValueError(f"v_win has d_v {v_win.shape[3]}, v_sel has {dv}")
-    t = _positions(t, B)
+    _check_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win)
+    t = _positions(t, q.shape[0])
     if implementation == "xla":
         return decode_selected_window_reference(q, k_sel, v_sel, block_idx, k_win, v_win, t,
                                                 sel_block=sel_block, window=window, scale=scale)
     bs = _default_block_sizes(block_sizes, q, v_sel)
+    parts = _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t,
+                                   sel_block=sel_block, window=window, scale=scale, bs=bs,
+                                   interpret=interpret)
+    merged = _combine(parts, q.dtype, num_warps=bs.num_warps, interpret=interpret)
+    return tuple(_heads(o, q.shape[1], v_sel.shape[3]) for o, _ in merged)
+
+
+def _heads(o, H: int, dv: int):
+    """A combine's o `[B, G, h_pad, dv_pad]` -> `[B, H, d_v]`."""
+    B, G = o.shape[:2]
+    return o[:, :, :H // G, :dv].reshape(B, H, dv)
+
+
+def _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block, window,
+                           scale, bs, interpret):
+    """The selected + window kernel: the two branches' split parts for `_combine`."""
+    B, H, dk = q.shape
+    G, dv = k_sel.shape[2], v_sel.shape[3]
     h = H // G
     dk_parts = column_parts(dk, bs.split_dk)
     dk_pad, dv_pad, h_pad = parts_width(dk_parts), matmul_dim(dv), matmul_dim(h)
@@ -736,11 +796,13 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     n_sel, n_ring_tiles = block_idx.shape[2], -(-kw.shape[1] // bs.block_win)
     splits = bs.splits(B * G, max(n_sel, n_ring_tiles))
     blocks_per_split = -(-n_sel // splits)
-    n_sel_pad = next_pow2(splits * blocks_per_split)
-    idx = pad_axis(block_idx.astype(jnp.int32), 2, n_sel_pad, value=-1)
+    # The last split stops at n_sel: the blocks need no padding to the splits' share (an XLA
+    # kernel of its own), only to the power of two a block of the kernel takes.
+    idx = pad_axis(block_idx.astype(jnp.int32), 2, next_pow2(n_sel), value=-1)
+    n_sel_pad = idx.shape[2]
     kernel = functools.partial(_sel_win_kernel, scale=float(scale), sel_block=sel_block,
                                tile=tile, window=window, block_win=bs.block_win, ring=ring,
-                               blocks_per_split=blocks_per_split,
+                               n_sel=n_sel, blocks_per_split=blocks_per_split,
                                ring_tiles_per_split=-(-n_ring_tiles // splits),
                                dk_parts=dk_parts)
     per_group = lambda *tail: pl.BlockSpec((None, None, *tail),                # noqa: E731
@@ -764,9 +826,54 @@ def decode_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
         out_shape=[o_part, lse_part] * 2,
     )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
 
-    merged = _combine([(os_part, ls_part), (ow_part, lw_part)], splits, q.dtype,
-                      num_warps=bs.num_warps, interpret=interpret)
-    return tuple(o[:, :, :h, :dv].reshape(B, H, dv) for o, _ in merged)
+    return [(os_part, ls_part, splits), (ow_part, lw_part, splits)]
+
+
+
+
+def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_block: int,
+                     cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
+                     n_blocks: int, window: int, scale: float, block_idx=None,
+                     block_sizes: Optional[DecodeBlockSizes] = None,
+                     interpret: bool = False, implementation: str = "triton"):
+    """The three branches of one query per sequence: `decode_compressed_select` and
+    `decode_selected_window` with one combine kernel for the three branches' splits (a batch of
+    one launches five attention kernels a step: compressed, selection, top-n, selected + window,
+    combine). Arguments as theirs; block_idx `[B, G, n_sel]` given: the selected branch reads
+    those blocks and the selection kernels do not run.
+
+    Returns `(o_cmp, o_sel, o_win [B, H, d_v] in q's dtype, block_idx [B, G, n_sel] int32)`.
+    """
+    check_implementation(implementation)
+    B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
+    _check_selection(k_cmp, v_cmp, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                     sel_block=sel_block, n_sel=n_sel, n_blocks=n_blocks)
+    _check_selected_window(q, k_sel, v_sel, block_idx, k_win, v_win)
+    t = _positions(t, B)
+    selection = dict(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=sel_block,
+                     n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks,
+                     scale=scale)
+    if implementation == "xla":
+        o_cmp, _, idx = decode_compressed_select_reference(q, k_cmp, v_cmp, t, **selection)
+        idx = idx if block_idx is None else block_idx.astype(jnp.int32)
+        o_sel, o_win = decode_selected_window_reference(q, k_sel, v_sel, idx, k_win, v_win, t,
+                                                        sel_block=sel_block, window=window,
+                                                        scale=scale)
+        return o_cmp, o_sel, o_win, idx
+    bs = _default_block_sizes(block_sizes, q, v_cmp)
+    if block_idx is None:
+        part, idx = _compressed_select_parts(q, k_cmp, v_cmp, t, bs=bs, interpret=interpret,
+                                             **selection)
+    else:
+        part, _ = _compressed_parts(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
+                                    cmp_stride=cmp_stride, scale=scale, bs=bs,
+                                    interpret=interpret)
+        idx = block_idx.astype(jnp.int32)
+    parts = _selected_window_parts(q, k_sel, v_sel, idx, k_win, v_win, t, sel_block=sel_block,
+                                   window=window, scale=scale, bs=bs, interpret=interpret)
+    merged = _combine([part] + parts, q.dtype, num_warps=bs.num_warps, interpret=interpret)
+    o_cmp, o_sel, o_win = (_heads(o, H, dv) for o, _ in merged)
+    return o_cmp, o_sel, o_win, idx
 
 
 # ----------------------------------------------------------------------------------------------

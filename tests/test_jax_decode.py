@@ -357,3 +357,43 @@ def test_decode_takes_every_backend_form(monkeypatch):
     y_chunk, _ = nsa_jax.prefill(params, x[:, 20:23], cfg, cache, backend=("test-decode", "xla"))
     np.testing.assert_allclose(y_chunk, y_chunk_ref, rtol=1e-6, atol=1e-6)
     assert queries == [1, 3]
+
+
+def test_a_full_step_attends_through_one_entry(monkeypatch):
+    """A step with the three branches calls `decode_attention` once (the entry a backend fuses),
+    with the caller's forced blocks; a step with some branches, or a backend registered from
+    outside for one of the two entries it replaces, does not."""
+    dispatch = nsa_jax.dispatch
+    monkeypatch.setattr(dispatch, "_REGISTRY", dict(dispatch._REGISTRY))
+    calls = []
+
+    def counting(*args, block_idx=None, **kwargs):
+        calls.append(block_idx)
+        return dispatch.xla.decode_attention(*args, block_idx=block_idx, **kwargs)
+
+    nsa_jax.register_backend("decode_attention", "test-fused", counting)
+    cfg = NSAConfig.tiny()
+    params, x = make_inputs(cfg, 2, 40, jnp.float32, seed=16)
+    _, cache = nsa_jax.prefill(params, x[:, :36], cfg, nsa_jax.init_cache(cfg, 2, 40))
+    backend = ("test-fused", "xla")
+    y_ref, _, _, aux = nsa_jax.decode_step(params, x[:, 36:37], cfg, cache, return_aux=True)
+    y, _, _ = nsa_jax.decode_step(params, x[:, 36:37], cfg, cache, backend=backend)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1 and calls[0] is None
+    forced = jnp.where(aux["block_idx"] == 0, -1, aux["block_idx"])
+    *_, aux_forced = nsa_jax.decode_step(params, x[:, 36:37], cfg, cache, backend=backend,
+                                         block_idx=forced, return_aux=True)
+    assert len(calls) == 2 and calls[1] is not None
+    np.testing.assert_array_equal(aux_forced["block_idx"], forced)
+    _, _, _, aux_gathered = nsa_jax.decode_step(params, x[:, 36:37], cfg, cache,
+                                                block_idx=forced, return_aux=True)
+    np.testing.assert_allclose(aux_forced["o_sel"], aux_gathered["o_sel"], rtol=1e-6, atol=1e-6)
+    nsa_jax.decode.decode_step_branches(params, x[:, 36:37], cfg, cache, branches=("cmp", "sel"),
+                                        backend=backend)
+    assert len(calls) == 2
+    def own_selection(*args, **kwargs):
+        return dispatch.xla.decode_compressed_select(*args, **kwargs)
+
+    nsa_jax.register_backend("decode_compressed_select", "test-fused", own_selection)
+    nsa_jax.decode_step(params, x[:, 36:37], cfg, cache, backend=backend)
+    assert len(calls) == 2

@@ -307,6 +307,40 @@ def test_decode_compressed_select_matches_the_unfused_path(l, d, l_sel, n_sel, n
     np.testing.assert_array_equal(np.asarray(idx)[2], [[0] + [-1] * (n_sel - 1)] * G)
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_decode_attention_equals_its_two_entries(forced):
+    """`decode_attention` (one combine for the three branches' splits, interpret mode) gives the
+    outputs and blocks of `decode_compressed_select` then `decode_selected_window`, and of the
+    plain-JAX path; with block_idx given, the selected branch reads those blocks. Tiles split
+    the compressed slots and the selected blocks 3 ways (combined parts of different S_pad;
+    3 splits of 2 blocks stop at n_sel = 4)."""
+    B, H, G, dk, dv, C, L, ring, l, d, l_sel, n_sel, w = SHAPES[0]
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32, seed=7)
+    t = jnp.asarray([L - 1, 2 * l_sel + 5], jnp.int32)
+    n_blocks = L // l_sel + 1
+    sel = dict(cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2,
+               n_blocks=n_blocks, scale=0.3)
+    bs = dataclasses.replace(SPLIT_3_WAYS, target_programs=12)
+    # Every slot of row 0 holds a block, so a split reading past n_sel would count one twice.
+    given = jnp.asarray([[[0, 2, 4, 6], [1, 3, 5, 6]], [[0, 1, 2, -1], [2, -1, -1, -1]]],
+                        jnp.int32) if forced else None
+    caches = (x["q"], x["k_cmp"], x["v_cmp"], x["k_sel"], x["v_sel"], x["k_win"], x["v_win"])
+    got = jax.jit(functools.partial(D.decode_attention, window=w, block_sizes=bs,
+                                    interpret=True, **sel))(*caches, t, block_idx=given)
+    o_cmp, _, idx = jax.jit(functools.partial(D.decode_compressed_select, block_sizes=bs,
+                                              interpret=True, **sel))(*caches[:3], t)
+    idx = idx if given is None else given
+    o_sel, o_win = D.decode_selected_window(
+        x["q"], x["k_sel"], x["v_sel"], idx, x["k_win"], x["v_win"], t, sel_block=l_sel,
+        window=w, scale=0.3, block_sizes=bs, interpret=True)
+    ref = D.decode_attention(*caches, t, window=w, block_idx=given, implementation="xla", **sel)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(idx))
+    np.testing.assert_array_equal(np.asarray(ref[3]), np.asarray(idx))
+    for a, b, r in zip(got[:3], (o_cmp, o_sel, o_win), ref[:3]):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+        np.testing.assert_allclose(a, r, atol=2e-6)
+
+
 @pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8), (37, 64)])
 def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
     """The split-KV combine kernel (interpret mode) against `combine_splits`: random partial
@@ -320,7 +354,7 @@ def test_combine_kernel_equals_the_xla_combine(splits, s_pad):
     lse[0, 0, 0, :] = -np.inf
     lse[1, 2, :, 5] = -np.inf
     o[..., splits:, :, :], lse[..., splits:, :] = np.nan, np.nan
-    [(got, got_lse)] = D._combine([(jnp.asarray(o), jnp.asarray(lse))], splits, jnp.float32,
+    [(got, got_lse)] = D._combine([(jnp.asarray(o), jnp.asarray(lse), splits)], jnp.float32,
                                   num_warps=4, interpret=True)
     want, want_lse = D.combine_splits(jnp.asarray(o[:, :, :splits]),
                                       jnp.asarray(lse[:, :, :splits]))
@@ -558,6 +592,17 @@ def test_lowers_to_triton_on_any_host():
         text = jax.jit(fused).trace(*args[:3], shape((B,), jnp.int32)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("xla.gpu.triton") == 4      # compressed, combine, selection, top-n
+
+        def attention(q, kc, vc, ks, vs, kw, vw, t):
+            return D.decode_attention(q, kc, vc, ks, vs, kw, vw, t, cmp_block=32, cmp_stride=16,
+                                      sel_block=64, n_sel=16, n_init=1, n_local=2,
+                                      n_blocks=L // 64 + 1, window=512, scale=0.1)
+        text = jax.jit(attention).trace(*args[:7], shape((B,), jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        # compressed, selection, top-n, selected + window, one combine; nothing in XLA
+        # between them but reshapes (no pad of the scores, no lse fix-up).
+        assert text.count("xla.gpu.triton") == 5
+        assert "stablehlo.pad" not in text and "stablehlo.select" not in text
 
     def append(*buffers_and_tokens):
         buffers, tokens = buffers_and_tokens[:6], buffers_and_tokens[6:]

@@ -6,7 +6,7 @@ Runtime knobs live in `XlaOptions`.
 from nsa_jax.xla.compress import compress_blocks, compress_kv
 from nsa_jax.xla.compressed_attention import compressed_attention
 from nsa_jax.xla.importance import selected_importance
-from nsa_jax.xla.decode import (decode_append, decode_compressed_attention,
+from nsa_jax.xla.decode import (decode_append, decode_attention, decode_compressed_attention,
                                 decode_compressed_select, decode_select_blocks,
                                 decode_selected_window_attention)
 from nsa_jax.xla.options import DEFAULT_OPTIONS, XlaOptions
@@ -21,6 +21,7 @@ __all__ = [
     "compress_kv",
     "compressed_attention",
     "decode_append",
+    "decode_attention",
     "decode_compressed_attention",
     "decode_compressed_select",
     "decode_select_blocks",

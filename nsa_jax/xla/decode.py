@@ -98,3 +98,22 @@ def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.
     o_win = window_chunk(q, k_win, v_win, window_tokens[:, None], positions, first, cfg.window,
                          scale)
     return o_sel, o_win
+
+
+def decode_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, k_sel: jax.Array,
+                     v_sel: jax.Array, k_win: jax.Array, v_win: jax.Array, cfg: NSAConfig, *,
+                     positions: jax.Array, scale: float, n_sel_blocks: int,
+                     block_idx: Optional[jax.Array] = None,
+                     options: Optional[XlaOptions] = None):
+    """`decode_compressed_select` then `decode_selected_window_attention` on the cache's ring:
+    `(o_cmp, o_sel, o_win [B, Q, H, d_v], block_idx [B, Q, G, n_sel])`; block_idx given: the
+    selected branch reads those blocks. The entry a backend may fuse (Pallas: one combine for
+    the three branches)."""
+    o_cmp, selected = decode_compressed_select(q, k_cmp, v_cmp, cfg, positions=positions,
+                                               scale=scale, n_sel_blocks=n_sel_blocks,
+                                               options=options)
+    block_idx = selected if block_idx is None else block_idx
+    o_sel, o_win = decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win,
+                                                    cfg, positions=positions, scale=scale,
+                                                    options=options)
+    return o_cmp, o_sel, o_win, block_idx
