@@ -13,7 +13,8 @@ A sequence whose cache has no room left is never written past `max_len`: with co
 sets `cache.overflow[b]` (sticky), which the caller checks after the loop.
 
 Attention over the cache runs through the decode entries of `nsa_jax.dispatch`
-(`decode_compressed_select` for the compressed branch with the selection,
+(`decode_attention` for a step with the three branches, `decode_compressed_select` for the
+compressed branch with the selection,
 `decode_compressed_attention` for the compressed branch alone, `decode_selected_window_attention`)
 on the caller's backend, in the same forms as the layer's (`"xla"`, `"pallas"`, a sequence of names
 tried in order); block compression through its `compress_kv`.
