@@ -176,11 +176,13 @@ def _ordered_ring(ring: jax.Array, first: jax.Array) -> jax.Array:
 
 
 def _append_tokens(cache: DecodeCache, proj: dict, pos, new, cfg: NSAConfig, backend,
-                   options) -> DecodeCache:
+                   options, *, step: bool = False) -> DecodeCache:
     """Write the projected tokens `proj["k_*"] [B, T, G, d]` at positions `pos [B, T]`, of which
     the first `new [B]` per row are real, into the token buffers and the two rings, through the
     dispatch's `decode_append` (Pallas: one kernel for the six appends of a step). Only the
-    last `R` tokens of a row go to a ring of R slots, so no two writes share a slot."""
+    last `R` tokens of a row go to a ring of R slots, so no two writes share a slot.
+    step: a decode step's append (T = 1, `new` = 1 where the token fits, else 0), whose rows
+    a backend may work out from `pos` alone."""
     B, T = pos.shape
     i = jnp.arange(T, dtype=jnp.int32)[None]
     real = i < new[:, None]
@@ -196,12 +198,17 @@ def _append_tokens(cache: DecodeCache, proj: dict, pos, new, cfg: NSAConfig, bac
     index = (sel_index, sel_index, win, win, raw, raw)
     packed = None
     if PACKED in proj and T == 1:
-        # The same tokens as columns of the projections, and the rows as one [B, 3] array:
-        # a kernel that reads them leaves the slices above unused (no kernels of their own).
+        # The same tokens as columns of the projections, and the rows as one [B, 3] array (a
+        # step's: the positions, each buffer's row `pos % S` where `pos < max_len`): a kernel
+        # that reads them leaves the slices and the rows above unused (no kernels of their own).
         arrays, columns = proj[PACKED]
-        packed = (tuple(a[:, 0] for a in arrays), tuple(columns[n] for n in sources),
-                  jnp.stack([sel_index[:, 0], win[:, 0], raw[:, 0]], axis=-1),
-                  (0, 0, 1, 1, 2, 2))
+        packed = {"sources": tuple(a[:, 0] for a in arrays),
+                  "columns": tuple(columns[n] for n in sources)}
+        if step:
+            packed.update(positions=pos[:, 0], limit=cache.max_len)
+        else:
+            packed.update(rows=jnp.stack([sel_index[:, 0], win[:, 0], raw[:, 0]], axis=-1),
+                          row_columns=(0, 0, 1, 1, 2, 2))
     buffers = dispatch.call("decode_append", backend, tuple(getattr(cache, n) for n in names),
                             tokens, index, cfg, positions=pos, packed=packed, options=options)
     return cache._replace(**dict(zip(names, buffers)))
@@ -274,7 +281,7 @@ def _prefill_jit(params, x, cache: DecodeCache, lengths, block_idx, *, cfg: NSAC
     cache = cache._replace(k_cmp=put_rows(cache.k_cmp, k_blocks, cmp_index),
                            v_cmp=put_rows(cache.v_cmp, v_blocks, cmp_index))
     if not fresh:
-        o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
+        o_cmp, o_sel, o_win, block_idx, _ = _attend(proj["q"], cache, cfg, pos, BRANCHES, backend,
                                                  run_options, window=window, block_idx=block_idx)
         y, gates = combine(params, x, cfg, o_cmp, o_sel, o_win)
         aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
@@ -364,6 +371,7 @@ def prepare_decode_params(params, cfg: NSAConfig) -> dict:
 
 
 PACKED = "packed"  # _project_step's key: the arrays the step's keys / values are columns of
+GATE_LOGITS = "gate_columns"  # and: (the GEMM's output [B, W], the gate logits' first column)
 
 
 def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
@@ -386,6 +394,8 @@ def _project_step(params, x_t, cfg: NSAConfig, positions) -> dict:
     keys = {n: heads[:, :, H + i * G:H + (i + 1) * G] for i, n in enumerate(names)}
     values = {n: p.reshape(B, T, G, dv) for n, p in zip(names, pieces[:len(names)])}
     out["gate_logits"] = pieces[-1]
+    # The gate logits' place in the GEMM's output, for an entry that mixes the branches.
+    out[GATE_LOGITS] = (fused[:, 0], n_rope * dk + sum(widths[:-1]))
     # Where each key and value sits: (0, column) of the RoPE'd heads `[B, T, n_rope * dk]`,
     # (1, column) of the GEMM's output (`_append_tokens`' packed form).
     columns = {}
@@ -436,15 +446,17 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, block_idx, *, cfg: NSAConf
     fits, new = _room(cache, jnp.ones_like(cache.lengths))
     t = cache.lengths                                                      # [B]
     proj = _project_step(params, x_t, cfg, t[:, None])
-    cache = _append_tokens(cache, proj, t[:, None], new, cfg, backend, options)
+    cache = _append_tokens(cache, proj, t[:, None], new, cfg, backend, options, step=True)
     emit = fits & nsa_common.completes_cmp_block(t, l, d)
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
-    o_cmp, o_sel, o_win, block_idx = _attend(proj["q"], cache, cfg, t[:, None], branches,
-                                             backend, options, block_idx=block_idx)
+    o_cmp, o_sel, o_win, block_idx, o = _attend(
+        proj["q"], cache, cfg, t[:, None], branches, backend, options, block_idx=block_idx,
+        gate=(*proj[GATE_LOGITS], params["bg"]) if GATE_LOGITS in proj else None)
     # Prepared params: the gate logits came out of the projection GEMM.
     gates = (gates_from_logits(params, proj["gate_logits"], cfg) if "gate_logits" in proj
              else gate_values(params, x_t, cfg))
-    y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win))
+    # o: the branches mixed by the entry that attended (Pallas: its combine kernel), or None.
+    y = output(params, x_t, cfg, mix_branches(gates, o_cmp, o_sel, o_win) if o is None else o)
     reads = step_reads(cfg, t, block_idx)
     aux = dict(o_cmp=o_cmp, o_sel=o_sel, o_win=o_win, gates=gates, block_idx=block_idx)
     cache = cache._replace(lengths=t + new, overflow=cache.overflow | ~fits)
@@ -466,7 +478,7 @@ def step_reads(cfg: NSAConfig, t: jax.Array, block_idx: jax.Array) -> dict:
 
 
 def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend, options, *,
-            window=None, block_idx=None):
+            window=None, block_idx=None, gate=None):
     """The branch outputs `[B, Q, H, d_v]` (0 for branches not asked for) and block_idx
     `[B, Q, G, n_sel]` (-1 without "sel") of queries q `[B, Q, H, d_k]` at positions `[B, Q]`,
     on a cache that already holds them, through the decode entries of `backend`.
@@ -475,6 +487,10 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
     of several queries, `(k [B, K, G, d_k], v [B, K, G, d_v], tokens int [B, K])`: the window's
     keys (the ring before the chunk, then the chunk) and the token each row holds.
     block_idx: `[B, Q, G, n_sel]` blocks the selected branch reads instead of the selection's.
+    gate: `(the projection GEMM's output [B, W], the first gate logit's column, bg)`, offered
+    to the entry of a step with the three branches, which may mix them.
+    -> `(o_cmp, o_sel, o_win, block_idx, o)`: o `[B, Q, H, d_v]` the branches mixed by the
+    gates, or None where the entry did not mix them (the caller does).
     """
     B, Q = positions.shape
     o_zero = jnp.zeros(q.shape[:3] + (cfg.d_v,), q.dtype)
@@ -493,7 +509,7 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         # backend registered from outside would run one of the two entries it replaces.
         return run("decode_attention", q, cache.k_cmp, cache.v_cmp, cache.k_sel, cache.v_sel,
                    cache.k_win, cache.v_win, cfg, scale=cfg.scale,
-                   n_sel_blocks=num_sel_blocks(cfg, cache.max_len), block_idx=forced)
+                   n_sel_blocks=num_sel_blocks(cfg, cache.max_len), block_idx=forced, gate=gate)
     if "sel" in branches:
         # One entry for both (Pallas: the selection reads the compressed kernel's scores).
         o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,
@@ -511,4 +527,4 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
                        k_win, v_win, cfg, scale=cfg.scale, window_tokens=tokens)
         o_sel = o_s if "sel" in branches else o_zero
         o_win = o_w if "win" in branches else o_zero
-    return o_cmp, o_sel, o_win, block_idx
+    return o_cmp, o_sel, o_win, block_idx, None

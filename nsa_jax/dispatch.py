@@ -36,9 +36,12 @@ cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
         (window_tokens None: k_win / v_win are the cache's ring, token s in slot s % W;
         otherwise int `[B, K]`, the token held by each of their K rows)
     decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg, *, positions, scale,
-                     n_sel_blocks, block_idx) -> (o_cmp, o_sel, o_win, block_idx): the two
-        above on the cache's ring in one entry, which a backend may fuse (block_idx None: the
-        entry selects; given: the selected branch reads those blocks)
+                     n_sel_blocks, block_idx, gate) -> (o_cmp, o_sel, o_win, block_idx, o): the
+        two above on the cache's ring in one entry, which a backend may fuse (block_idx None:
+        the entry selects; given: the selected branch reads those blocks). gate: `(the step's
+        projections [B, W], the column of head 0's first gate logit, bg [3H])` or None; o: the
+        branches mixed by those gates (spec step 9), or None where the entry leaves the mix to
+        the caller
 
 plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
 only passed to backends registered with `packed=True`) and `options=` (that backend's entry of

@@ -290,8 +290,9 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
                   options: Optional[PallasOptions] = None):
     """A decode step's appends (one token per sequence) in one kernel, in place
     (`pallas_kernels.append_rows`; with `packed`, `append_rows_packed` reads the tokens and rows
-    out of the projections, and `tokens` / `index` go unused); a chunk, or G*d neither a power
-    of two nor the sum of two, goes to XLA."""
+    out of the projections, or `append_step_packed` the tokens and a step's positions, and
+    `tokens` / `index` go unused); a chunk, or G*d neither a power of two nor the sum of two,
+    goes to XLA."""
     del cfg, positions
     if any(t.shape[1] != 1 for t in tokens):
         raise NotImplementedError("the Pallas append kernel writes one token per sequence")
@@ -302,9 +303,14 @@ def decode_append(buffers, tokens, index, cfg: NSAConfig, *, positions, packed=N
     if not blocks.append_kernel:
         raise NotImplementedError("decode_blocks.append_kernel is off")
     if packed is not None and blocks.append_packed:
-        sources, columns, rows, row_columns = packed
-        return kernels.append_rows_packed(buffers, sources, columns, rows, row_columns,
-                                          interpret=options.resolve_interpret())
+        interpret = options.resolve_interpret()
+        if "positions" in packed:
+            return kernels.append_step_packed(buffers, packed["sources"], packed["columns"],
+                                              packed["positions"], limit=packed["limit"],
+                                              interpret=interpret)
+        return kernels.append_rows_packed(buffers, packed["sources"], packed["columns"],
+                                          packed["rows"], packed["row_columns"],
+                                          interpret=interpret)
     return kernels.append_rows(buffers, tuple(t[:, 0] for t in tokens),
                                tuple(i[:, 0] for i in index),
                                interpret=options.resolve_interpret())
@@ -340,18 +346,20 @@ def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, c
 
 
 def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg: NSAConfig, *, positions,
-                     scale, n_sel_blocks: int, block_idx=None,
+                     scale, n_sel_blocks: int, block_idx=None, gate=None,
                      options: Optional[PallasOptions] = None):
-    """The three branches in five kernels, one combine for all (`pallas_kernels.decode_attention`)."""
+    """The three branches in five kernels, one combine for all, which also mixes them by the
+    gates where it can (`pallas_kernels.decode_attention`)."""
     _one_query(q, "decode_attention")
     options = options or DEFAULT_OPTIONS
-    o_cmp, o_sel, o_win, idx = kernels.decode_attention(
+    o_cmp, o_sel, o_win, idx, o = kernels.decode_attention(
         q[:, 0], k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, positions[:, 0],
         cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block,
         n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, n_blocks=n_sel_blocks,
         window=cfg.window, scale=scale, block_idx=None if block_idx is None else block_idx[:, 0],
-        block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
-    return o_cmp[:, None], o_sel[:, None], o_win[:, None], idx[:, None]
+        gate=gate, block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
+    return (o_cmp[:, None], o_sel[:, None], o_win[:, None], idx[:, None],
+            None if o is None else o[:, None])
 
 
 def register() -> None:

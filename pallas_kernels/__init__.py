@@ -20,6 +20,7 @@ from pallas_kernels.decode import (
     DecodeBlockSizes,
     append_rows,
     append_rows_packed,
+    append_step_packed,
     decode_attention,
     decode_compressed,
     decode_compressed_reference,

@@ -52,6 +52,7 @@ __all__ = [
     "DecodeBlockSizes",
     "append_rows",
     "append_rows_packed",
+    "append_step_packed",
     "decode_attention",
     "decode_compressed",
     "decode_compressed_reference",
@@ -338,17 +339,25 @@ def combine_splits(o_part, lse_part):
     return o, jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
 
 
-def _combine_kernel(*refs, splits: tuple):
+def _combine_kernel(*refs, splits: tuple, gate=None):
     """Grid (batch row, KV head, head chunk, d_v chunk). The split-KV combine of `n =
     len(splits)` partial softmaxes: refs = n x lse_ref [S_pad_i, h_c] (log2; rows from
     `splits[i]` on are never written), n x o_ref [S_pad_i, h_c, dv_c] (float32, each normalised
     over its split's keys), then n x out_ref [h_c, dv_c] (the merged o, in the output dtype; 0
     where no split saw a key) and n x lse_out_ref [h_c] (log2, -inf there; every d_v chunk
     writes the same values). The whole slab is loaded at once (no loop over the splits), and
-    the grid spreads a batch of one over many SMs. `combine_splits` is the same in XLA."""
+    the grid spreads a batch of one over many SMs. `combine_splits` is the same in XLA.
+
+    gate `(offset, h)` (three parts: the compressed, selected and window branches; h = h_pad): two
+    more inputs after the o_refs, logits_ref [W] (the step's projections; head k's gate
+    logits at columns `offset + 3k + j`) and bias_ref [3H], and one more output, mix_ref
+    [h_c, dv_c]: `sum_j sigmoid(logit_j + bias_j) * o_j` in the output dtype (spec step 9),
+    from the float32 merges."""
     n = len(splits)
     lse_refs, o_refs = refs[:n], refs[n:2 * n]
-    out_refs, lse_out_refs = refs[2 * n:3 * n], refs[3 * n:]
+    extra = 2 if gate is not None else 0
+    out_refs, lse_out_refs = refs[2 * n + extra:3 * n + extra], refs[3 * n + extra:4 * n + extra]
+    merged = []
     for used, lse_ref, o_ref, out_ref, lse_out_ref in zip(splits, lse_refs, o_refs, out_refs,
                                                           lse_out_refs):
         row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
@@ -361,8 +370,20 @@ def _combine_kernel(*refs, splits: tuple):
         o = jnp.where(row3 < used, o_ref[...], 0.0)    # unwritten rows may hold NaN
         acc = jnp.sum(weight[:, :, None] * o, axis=0)
         safe = jnp.where(total > 0, total, 1.0)
-        out_ref[...] = (acc / safe[:, None]).astype(out_ref.dtype)
+        merged.append(acc / safe[:, None])
+        out_ref[...] = merged[-1].astype(out_ref.dtype)
         lse_out_ref[...] = jnp.where(total > 0, m + jnp.log2(safe), -jnp.inf)
+    if gate is not None:
+        offset, h = gate
+        logits_ref, bias_ref, mix_ref = refs[2 * n], refs[2 * n + 1], refs[-1]
+        h_c = mix_ref.shape[0]
+        first = 3 * (pl.program_id(1) * h + pl.program_id(2) * h_c)    # h_c real heads (h_pad = h)
+        mix = jnp.zeros(mix_ref.shape, jnp.float32)
+        for j, o in enumerate(merged):
+            logit = (logits_ref[pl.ds(offset + first + j, h_c, stride=3)].astype(jnp.float32)
+                     + bias_ref[pl.ds(first + j, h_c, stride=3)].astype(jnp.float32))
+            mix = mix + (1.0 / (1.0 + jnp.exp(-logit)))[:, None] * o
+        mix_ref[...] = mix.astype(mix_ref.dtype)
 
 
 # Elements of the largest o slab one combine program loads (4,096: 32 float32 registers a thread
@@ -370,12 +391,15 @@ def _combine_kernel(*refs, splits: tuple):
 _COMBINE_SLAB = 4096
 
 
-def _combine(parts, dtype, *, num_warps: int, interpret: bool):
+def _combine(parts, dtype, *, num_warps: int, interpret: bool, gate=None):
     """parts: `[(o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad, h_pad], splits),
     ...]` (S_pad may differ between parts; `splits` rows of each are written) ->
     `[(o [B, G, h_pad, dv_pad] in dtype, lse_log2 [B, G, h_pad]), ...]`: one kernel for all,
     so that a step's branches share one launch. A program takes `[S_pad, h_c, dv_c]` of each
-    (about `_COMBINE_SLAB` elements for the largest S_pad, powers of two, dv_c >= 16)."""
+    (about `_COMBINE_SLAB` elements for the largest S_pad, powers of two, dv_c >= 16).
+    gate `(logits [B, W], offset, bias [3H])` (three parts, h_pad the group's heads): the
+    gated mix of the three as one more output, `[B, G, h_pad, dv_pad]` in dtype
+    (`_combine_kernel`)."""
     B, G, _, h_pad, dv_pad = parts[0][0].shape
     s_max = max(o.shape[2] for o, _, _ in parts)
     dv_c = max(16, min(dv_pad, _COMBINE_SLAB // (s_max * h_pad)))
@@ -388,15 +412,27 @@ def _combine(parts, dtype, *, num_warps: int, interpret: bool):
                             lambda b, g, i, j: (b, g, 0, i, j)) for o, _, _ in parts]
     out_spec = pl.BlockSpec((None, None, h_c, dv_c), lambda b, g, i, j: (b, g, i, j))
     lse_out_spec = pl.BlockSpec((None, None, h_c), lambda b, g, i, j: (b, g, i))
+    out_o = jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)
+    in_specs, args, kernel_gate = lse_specs + o_specs, [], None
+    out_specs = [out_spec] * n + [lse_out_spec] * n
+    out_shape = [out_o] * n + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n
+    if gate is not None:
+        logits, offset, bias = gate
+        rows = logits.reshape(B, 1, logits.shape[-1])
+        in_specs += [pl.BlockSpec((None, None, rows.shape[2]), lambda b, g, i, j: (b, 0, 0)),
+                     pl.BlockSpec((None, bias.shape[0]), lambda b, g, i, j: (0, 0))]
+        args = [rows, bias.reshape(1, -1)]
+        out_specs.append(out_spec)
+        out_shape.append(out_o)
+        kernel_gate = (int(offset), h_pad)
     outs = pallas_call(
-        functools.partial(_combine_kernel, splits=tuple(used for _, _, used in parts)),
+        functools.partial(_combine_kernel, splits=tuple(used for _, _, used in parts),
+                          gate=kernel_gate),
         name="nsa_decode_combine", num_warps=num_warps, num_stages=1, interpret=interpret,
-        grid=grid, in_specs=lse_specs + o_specs,
-        out_specs=[out_spec] * n + [lse_out_spec] * n,
-        out_shape=([jax.ShapeDtypeStruct((B, G, h_pad, dv_pad), dtype)] * n
-                   + [jax.ShapeDtypeStruct((B, G, h_pad), jnp.float32)] * n),
-    )(*[lse for _, lse, _ in parts], *[o for o, _, _ in parts])
-    return list(zip(outs[:n], outs[n:]))
+        grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    )(*[lse for _, lse, _ in parts], *[o for o, _, _ in parts], *args)
+    merged = list(zip(outs[:n], outs[n:2 * n]))
+    return merged + [outs[-1]] if gate is not None else merged
 
 
 def _store_row(out_ref, src_ref, src_col: int, row):
@@ -431,6 +467,20 @@ def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tupl
     idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
     for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
         _store_row(out_ref, src_refs[s], off, idx_ref[j])
+
+
+def _append_step_kernel(*refs, n_src: int, columns: tuple, limit: int):
+    """Grid (batch row,). refs = t_ref [1] (the token's position), n_src x src_ref [1, W_s] (the
+    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
+    place). Buffer i takes columns `columns[i] = (s, off)` of src s at row `t % S`, where
+    `t < limit`; nothing otherwise."""
+    n = len(columns)
+    t = refs[0][0]
+    src_refs, out_refs = refs[1:1 + n_src], refs[1 + n_src + n:]
+    for (s, off), out_ref in zip(columns, out_refs):
+        size = out_ref.shape[0]
+        _store_row(out_ref, src_refs[s], off,
+                   jnp.where(t < limit, lax.rem(t, jnp.int32(size)), size))
 
 
 def _row_parts(width: int) -> tuple:
@@ -518,6 +568,35 @@ def append_rows_packed(buffers, sources, columns, index, index_columns, *,
     kernel = functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
                                index_columns=tuple(index_columns))
     return _append_call(kernel, buffers, flat, specs, [rows] + srcs, interpret)
+
+
+def append_step_packed(buffers, sources, columns, positions, *, limit: int,
+                       interpret: bool = False):
+    """A decode step's appends with the rows worked out in the kernel: buffer i `[B, S_i, G, d]`
+    gets `sources[s][:, off:off + G*d]` (`columns[i] = (s, off)`, static) at row
+    `positions[b] % S_i` (a token buffer of S_i = limit: the position itself; a ring: its slot)
+    of the sequences with `positions[b] < limit`, nothing in the others. positions int `[B]`.
+    `append_rows_packed` with no index array, so the step computes no rows in XLA (a kernel of
+    its own). Returns the updated buffers (aliased to the inputs)."""
+    n = len(buffers)
+    if not (n == len(columns)) or n == 0:
+        raise ValueError(f"append_step_packed takes a column per buffer (got {n} buffers, "
+                         f"{len(columns)} columns)")
+    flat = _row_buffers(buffers)
+    for f, buf, (s, off) in zip(flat, buffers, columns):
+        if not (0 <= s < len(sources) and 0 <= off and off + f.shape[2] <= sources[s].shape[1]):
+            raise ValueError(f"column ({s}, {off}) of a buffer {buf.shape} outside sources "
+                             f"{[x.shape for x in sources]}")
+    B = flat[0].shape[0]
+    if positions.shape != (B,):
+        raise ValueError(f"positions must be [B={B}], got shape {positions.shape}")
+    srcs = [x.reshape(x.shape[0], 1, x.shape[1]) for x in sources]
+    specs = ([pl.BlockSpec((1,), lambda b: (b,))]
+             + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs])
+    kernel = functools.partial(_append_step_kernel, n_src=len(srcs), columns=tuple(columns),
+                               limit=int(limit))
+    return _append_call(kernel, buffers, flat, specs, [positions.astype(jnp.int32)] + srcs,
+                        interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -833,16 +912,21 @@ def _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
 
 def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_block: int,
                      cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
-                     n_blocks: int, window: int, scale: float, block_idx=None,
+                     n_blocks: int, window: int, scale: float, block_idx=None, gate=None,
                      block_sizes: Optional[DecodeBlockSizes] = None,
                      interpret: bool = False, implementation: str = "triton"):
     """The three branches of one query per sequence: `decode_compressed_select` and
     `decode_selected_window` with one combine kernel for the three branches' splits (a batch of
     one launches five attention kernels a step: compressed, selection, top-n, selected + window,
     combine). Arguments as theirs; block_idx `[B, G, n_sel]` given: the selected branch reads
-    those blocks and the selection kernels do not run.
+    those blocks and the selection kernels do not run. gate `(logits [B, W], offset, bias
+    [3H])`: the gate logits of head k at columns `offset + 3k + (0, 1, 2)` (cmp, sel, win) of
+    the step's projections; the combine kernel then also mixes the branches (spec step 9:
+    `sum_j sigmoid(logit_j + bias_j) * o_j`), where a group's heads are a power of two >= 16.
 
-    Returns `(o_cmp, o_sel, o_win [B, H, d_v] in q's dtype, block_idx [B, G, n_sel] int32)`.
+    Returns `(o_cmp, o_sel, o_win [B, H, d_v] in q's dtype, block_idx [B, G, n_sel] int32, o)`:
+    o `[B, H, d_v]` the gated mix, None without gate (or where the kernel does not mix: the
+    caller mixes).
     """
     check_implementation(implementation)
     B, H, G, dk, dv = _check_group_inputs(q, {"k_cmp": k_cmp, "v_cmp": v_cmp}, "v_cmp")
@@ -859,7 +943,7 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_bloc
         o_sel, o_win = decode_selected_window_reference(q, k_sel, v_sel, idx, k_win, v_win, t,
                                                         sel_block=sel_block, window=window,
                                                         scale=scale)
-        return o_cmp, o_sel, o_win, idx
+        return o_cmp, o_sel, o_win, idx, None
     bs = _default_block_sizes(block_sizes, q, v_cmp)
     if block_idx is None:
         part, idx = _compressed_select_parts(q, k_cmp, v_cmp, t, bs=bs, interpret=interpret,
@@ -871,9 +955,12 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_bloc
         idx = block_idx.astype(jnp.int32)
     parts = _selected_window_parts(q, k_sel, v_sel, idx, k_win, v_win, t, sel_block=sel_block,
                                    window=window, scale=scale, bs=bs, interpret=interpret)
-    merged = _combine([part] + parts, q.dtype, num_warps=bs.num_warps, interpret=interpret)
-    o_cmp, o_sel, o_win = (_heads(o, H, dv) for o, _ in merged)
-    return o_cmp, o_sel, o_win, idx
+    h = H // G
+    mixes = gate is not None and matmul_dim(h) == h
+    merged = _combine([part] + parts, q.dtype, num_warps=bs.num_warps, interpret=interpret,
+                      gate=gate if mixes else None)
+    o_cmp, o_sel, o_win = (_heads(o, H, dv) for o, _ in merged[:3])
+    return o_cmp, o_sel, o_win, idx, _heads(merged[3], H, dv) if mixes else None
 
 
 # ----------------------------------------------------------------------------------------------

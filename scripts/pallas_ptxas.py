@@ -174,23 +174,25 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
 
         B = args.decode_batch
 
-        def fn(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, rows):
-            o_cmp, _, block_idx = decode.decode_compressed_select(
-                q, k_cmp, v_cmp, t, cmp_block=l, cmp_stride=d, sel_block=l_sel, n_sel=n_sel,
-                n_init=1, n_local=2, n_blocks=-(-S // l_sel), scale=d_k ** -0.5,
-                block_sizes=sizes)
-            o_sel, o_win = decode.decode_selected_window(
-                q, k_sel, v_sel, block_idx, k_win, v_win, t, sel_block=l_sel, window=window,
-                scale=d_k ** -0.5, block_sizes=sizes)
-            # The append kernel takes rows of G*d a power of two (XLA appends the others).
+        def fn(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, projections):
+            # The step's attention: five kernels, the combine mixing the branches by the gate
+            # logits, which sit in the projections after q and the keys (as in a decode step).
+            gate = (projections, projections.shape[1] - 3 * H, jnp.zeros((3 * H,), jnp.float32))
+            out = decode.decode_attention(
+                q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, cmp_block=l, cmp_stride=d,
+                sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2, n_blocks=-(-S // l_sel),
+                window=window, scale=d_k ** -0.5, gate=gate, block_sizes=sizes)
+            # The step's append kernel takes rows of G*d a power of two (XLA appends the others).
             caches = [x for x in (k_sel, v_sel) if (G * x.shape[3]) & (G * x.shape[3] - 1) == 0]
-            appended = decode.append_rows(tuple(caches), tuple(x[:, 0] for x in caches),
-                                          (rows,) * len(caches)) if caches else ()
-            return o_cmp, o_sel, o_win, appended
+            columns = [(0, 0)] * len(caches)
+            appended = decode.append_step_packed(tuple(caches), (projections,), columns, t,
+                                                 limit=S) if caches else ()
+            return out, appended
+        width = H * d_k + 2 * G * (d_k + d_v) + 3 * H
         return fn, (bf16(B, H, d_k), bf16(B, C, G, d_k), bf16(B, C, G, d_v),
                     bf16(B, S, G, d_k), bf16(B, S, G, d_v), bf16(B, window, G, d_k),
                     bf16(B, window, G, d_v), jax.ShapeDtypeStruct((B,), jnp.int32),
-                    jax.ShapeDtypeStruct((B,), jnp.int32))
+                    bf16(B, width))
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -299,8 +299,12 @@ def test_prepared_params_project_in_one_gemm(shared_kv):
     positions = jnp.array([[3], [11]], jnp.int32)
     want = nsa_jax.layer.project(params, x[:, :1], cfg, positions)
     got = nsa_jax.decode._project_step(prepared, x[:, :1], cfg, positions)
-    packed = nsa_jax.decode.PACKED
-    assert set(got) == set(want) | {"gate_logits", packed}
+    packed, gate = nsa_jax.decode.PACKED, nsa_jax.decode.GATE_LOGITS
+    assert set(got) == set(want) | {"gate_logits", packed, gate}
+    # The gate logits' place in the GEMM's output (what the Pallas combine kernel reads).
+    fused, offset = got[gate]
+    np.testing.assert_array_equal(fused[:, offset:offset + 3 * cfg.n_heads],
+                                  got["gate_logits"][:, 0])
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
     # The packed form (what the Pallas append kernel reads): each key / value is the columns

@@ -339,6 +339,39 @@ def test_decode_attention_equals_its_two_entries(forced):
     for a, b, r in zip(got[:3], (o_cmp, o_sel, o_win), ref[:3]):
         np.testing.assert_allclose(a, b, atol=2e-6)
         np.testing.assert_allclose(a, r, atol=2e-6)
+    assert got[4] is None and ref[4] is None
+
+
+def test_decode_attention_mixes_the_branches_by_the_gates():
+    """With the step's gate logits (columns of a wider projection row) and bias, the combine
+    kernel also returns `sum_j sigmoid(logit_j + bias_j) * o_j` (the layer's
+    `mix_branches(gates_from_logits)`), 16 heads a group in two head chunks; where a
+    group's heads are not a power of two >= 16 it returns no mix."""
+    from nsa_jax.core import mix_branches
+
+    rng = np.random.default_rng(8)
+    B, G, h, dk, dv, C, L, ring = 2, 2, 16, 16, 16, 288, 100, 24
+    H = G * h
+    x = _inputs(B, H, G, dk, dv, C, L, ring, jnp.float32, seed=9)
+    t = jnp.asarray([L - 1, 37], jnp.int32)
+    offset, width = 11, 3 * H + 20
+    row = jnp.asarray(3 * rng.standard_normal((B, width)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(3 * H), jnp.float32)
+    sel = dict(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=4, n_init=1, n_local=2,
+               n_blocks=L // 16 + 1, window=24, scale=0.3)
+    caches = (x["q"], x["k_cmp"], x["v_cmp"], x["k_sel"], x["v_sel"], x["k_win"], x["v_win"])
+    # 18 splits of the compressed slots (S_pad 32): h_c = 8, two head chunks of a group.
+    bs = D.DecodeBlockSizes(block_cmp=16, target_programs=72, max_splits=18)
+    o_cmp, o_sel, o_win, _, o = D.decode_attention(*caches, t, gate=(row, offset, bias),
+                                                   block_sizes=bs, interpret=True, **sel)
+    gates = jax.nn.sigmoid(row[:, offset:offset + 3 * H] + bias).reshape(B, 1, H, 3)
+    want = mix_branches(gates, o_cmp[:, None], o_sel[:, None], o_win[:, None])[:, 0]
+    np.testing.assert_allclose(o, want, atol=2e-6)
+    assert float(jnp.abs(o - o_sel).max()) > 1e-2
+    x4 = _inputs(B, 8, G, dk, dv, C, L, ring, jnp.float32, seed=9)    # 4 heads a group
+    caches4 = (x4["q"],) + caches[1:]
+    assert D.decode_attention(*caches4, t, gate=(row, offset, bias[:24]), interpret=True,
+                              **sel)[4] is None
 
 
 @pytest.mark.parametrize("splits,s_pad", [(1, 1), (3, 4), (16, 16), (5, 8), (37, 64)])
@@ -421,6 +454,36 @@ def test_append_rows_packed_reads_tokens_and_rows_out_of_their_arrays():
     with pytest.raises(ValueError, match="outside sources"):
         pallas_kernels.append_rows_packed(buffers, sources, ((0, 90),) * 4, index,
                                           (0, 0, 0, 0), interpret=True)
+
+
+def test_append_step_packed_works_out_each_buffers_row():
+    """The step's packed append (interpret mode): buffer i gets its columns at row `t % S_i`
+    where `t < limit` (a token buffer of limit rows: the position; a ring: its slot), the same
+    writes as `append_rows` at those rows; a position at the limit writes nothing anywhere."""
+    import pallas_kernels
+
+    rng = np.random.default_rng(5)
+    B, G, limit = 3, 2, 40
+    buffers = tuple(jnp.asarray(rng.standard_normal((B, S, G, d)), jnp.bfloat16)
+                    for S, d in ((limit, 16), (8, 32), (5, 16), (6, 24)))
+    sources = (jnp.asarray(rng.standard_normal((B, 100)), jnp.float32),
+               jnp.asarray(rng.standard_normal((B, 70)), jnp.bfloat16))
+    columns = ((0, 3), (1, 6), (0, 68), (0, 50))
+    t = jnp.asarray([13, 39, 40], jnp.int32)
+    got = pallas_kernels.append_step_packed(buffers, sources, columns, t, limit=limit,
+                                            interpret=True)
+    tokens = tuple(sources[s][:, off:off + b.shape[2] * b.shape[3]].reshape(b.shape[0], G, -1)
+                   for (s, off), b in zip(columns, buffers))
+    rows = tuple(jnp.where(t < limit, t % b.shape[1], b.shape[1]) for b in buffers)
+    want = pallas_kernels.append_rows(buffers, tokens, rows, interpret=True)
+    for g, w, b in zip(got, want, buffers):
+        assert g.shape == b.shape and g.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        np.testing.assert_array_equal(np.asarray(g[2], np.float32), np.asarray(b[2], np.float32))
+    assert np.asarray(got[1][0, 13 % 8] != buffers[1][0, 13 % 8]).any()
+    with pytest.raises(ValueError, match="positions must be"):
+        pallas_kernels.append_step_packed(buffers, sources, columns, t[:2], limit=limit,
+                                          interpret=True)
 
 
 @pytest.mark.slow
@@ -509,6 +572,28 @@ def test_decode_step_pallas_matches_layer(cfg):
     for t in range(T):
         np.testing.assert_array_equal(idx[t], ref_aux["block_idx"][:, t])
     assert reads == reads_xla
+
+
+def test_decode_step_pallas_mixes_the_branches_in_the_combine(monkeypatch):
+    """With prepared params and 16 heads a group, the Pallas step's combine kernel mixes the
+    branches by the gate logits of the projection GEMM; the step's output still equals the
+    layer's (float32, every position from an empty cache)."""
+    gated = []
+    combine = D._combine
+
+    def spy(parts, dtype, **kwargs):
+        gated.append(kwargs.get("gate") is not None)
+        return combine(parts, dtype, **kwargs)
+
+    monkeypatch.setattr(D, "_combine", spy)
+    cfg = NSAConfig.tiny(n_heads=32)
+    T = 24
+    params, x = make_inputs(cfg, 2, T, jnp.float32, seed=6)
+    ref_y = nsa_jax.nsa_attention(params, x, cfg)
+    y, _, _ = _generation(nsa_jax.decode.prepare_decode_params(params, cfg), x, cfg, T,
+                          "pallas")
+    assert rel_err(y, ref_y) <= F32_TOL
+    assert gated == [True]          # traced once (jitted step): one gated combine
 
 
 def test_decode_step_pallas_options_and_errors():

@@ -103,12 +103,14 @@ def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.
 def decode_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, k_sel: jax.Array,
                      v_sel: jax.Array, k_win: jax.Array, v_win: jax.Array, cfg: NSAConfig, *,
                      positions: jax.Array, scale: float, n_sel_blocks: int,
-                     block_idx: Optional[jax.Array] = None,
+                     block_idx: Optional[jax.Array] = None, gate=None,
                      options: Optional[XlaOptions] = None):
     """`decode_compressed_select` then `decode_selected_window_attention` on the cache's ring:
-    `(o_cmp, o_sel, o_win [B, Q, H, d_v], block_idx [B, Q, G, n_sel])`; block_idx given: the
-    selected branch reads those blocks. The entry a backend may fuse (Pallas: one combine for
-    the three branches)."""
+    `(o_cmp, o_sel, o_win [B, Q, H, d_v], block_idx [B, Q, G, n_sel], None)`; block_idx given:
+    the selected branch reads those blocks. The entry a backend may fuse (Pallas: one combine
+    for the three branches, which mixes them by `gate`, the last output); here the caller
+    mixes them (the last output None)."""
+    del gate
     o_cmp, selected = decode_compressed_select(q, k_cmp, v_cmp, cfg, positions=positions,
                                                scale=scale, n_sel_blocks=n_sel_blocks,
                                                options=options)
@@ -116,4 +118,4 @@ def decode_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, k_sel: ja
     o_sel, o_win = decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win,
                                                     cfg, positions=positions, scale=scale,
                                                     options=options)
-    return o_cmp, o_sel, o_win, block_idx
+    return o_cmp, o_sel, o_win, block_idx, None
