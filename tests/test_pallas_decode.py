@@ -689,6 +689,18 @@ def test_lowers_to_triton_on_any_host():
         assert text.count("xla.gpu.triton") == 5
         assert "stablehlo.pad" not in text and "stablehlo.select" not in text
 
+        def gated(q, kc, vc, ks, vs, kw, vw, t, row, bias):
+            return D.decode_attention(q, kc, vc, ks, vs, kw, vw, t, cmp_block=32, cmp_stride=16,
+                                      sel_block=64, n_sel=16, n_init=1, n_local=2,
+                                      n_blocks=L // 64 + 1, window=512, scale=0.1,
+                                      gate=(row, 11264, bias))[4]
+        text = jax.jit(gated).trace(*args[:7], shape((B,), jnp.int32), shape((B, 11456), bf),
+                                    shape((3 * H,), bf)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        # The mix comes out of the combine kernel: no sigmoid or sum of the branches in XLA.
+        assert text.count("xla.gpu.triton") == 5 and "stablehlo.logistic" not in text
+        assert "stablehlo.add" not in text
+
     def append(*buffers_and_tokens):
         buffers, tokens = buffers_and_tokens[:6], buffers_and_tokens[6:]
         rows = jnp.arange(B, dtype=jnp.int32)
@@ -709,6 +721,14 @@ def test_lowers_to_triton_on_any_host():
     text = jax.jit(append_packed, donate_argnums=tuple(range(6))).trace(*bufs, *srcs).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1
+
+    def append_step(*args):
+        columns = [(0, 512 * i) for i in range(3)] + [(1, 512 * i) for i in range(3)]
+        return pallas_kernels.append_step_packed(args[:6], args[6:8], columns, args[8],
+                                                 limit=L)
+    text = jax.jit(append_step, donate_argnums=tuple(range(6))).trace(
+        *bufs, *srcs, shape((B,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1 and "stablehlo.remainder" not in text
 
 
 @pytest.mark.slow
