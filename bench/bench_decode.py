@@ -52,8 +52,9 @@ say, so forcing changes the output, not the full step's cost.
 Selection workloads (`--workload`, bench/workloads.py): random (default; each step's own
 selection), coherent (`--overlap`, `--working-set`, `--drift`), trained_fit (fitted to a trained
 model's statistics) or trained (`--workload-file`). A forced workload's rows of
-positions S, S + 1, ... go to `decode_step(block_idx=)` step by step (the step still ranks the
-blocks; only its selected attention reads the forced ones); with --timing loop every call
+positions S, S + 1, ... go to `decode_step(block_idx=)` step by step (the step does not rank
+the blocks: a forced workload's step leaves out the selection kernels, which its record's note
+says, so its time is not comparable with the random workload's); with --timing loop every call
 replays the rows of its --loop_steps steps. Records carry the workload and the overlap
 statistics of the blocks of consecutive steps (sel_shared, sel_jaccard; for random, those of
 16 steps of the step's own selection), printed before the table; the latest CSVs gain a
@@ -376,9 +377,12 @@ def run_nsa_point(args, B: int, S: int) -> list[dict]:
         reads = {k: int(v.max()) for k, v in first_reads.items()}
         full.update(status=OK, **timing.fields(), share_of_step=1.0, reads_cmp=reads.get("cmp"), reads_sel=reads.get("sel"),
                     reads_win=reads.get("win"), reads_actual=reads.get("total"))
+        notes = [] if block_idx is None else ["the workload's blocks: no selection kernels"]
         if "bound" in reads and reads["bound"] != formula:
-            full["note"] = (f"decode_step bound {reads['bound']} != "
-                            f"nsa_common.decode_read_bound {formula}")
+            notes.append(f"decode_step bound {reads['bound']} != "
+                         f"nsa_common.decode_read_bound {formula}")
+        if notes:
+            full["note"] = "; ".join(notes)
     except Exception as exc:
         full.update(status=common.classify_exception(exc), note=common.short_error(exc))
     records.append(full)

@@ -221,6 +221,26 @@ def test_decode_timing_modes_read_the_same(tmp_path, cpu_env, timing):
         (S + 1 - 8) // 4 + 1, 16)
 
 
+def test_a_forced_decode_workload_is_noted_as_leaving_out_the_selection(tmp_path, cpu_env):
+    """A decode row on a forced workload (coherent) says that its step ran no selection
+    kernels; the random workload's row (its own selection) says nothing of the kind."""
+    notes = {}
+    for workload in ("coherent", "random"):
+        csv_path = tmp_path / f"decode_{workload}.csv"
+        code = bench_decode.main(TINY_NSA + [
+            "--B", "1", "--S_list", "40", "--d_model", "32", "--H", "4", "--G", "2",
+            "--iters", "1", "--warmup", "1", "--repeats", "1", "--loop_steps", "2",
+            "--no_breakdown", "--full_impls", "xla", "--workload", workload,
+            "--csv", str(csv_path), "--latest_csv", ""])
+        assert code == 0
+        _, records = _read(csv_path)
+        nsa = next(r for r in records if r["row"] == "nsa_jax")
+        assert nsa["status"] == "ok" and nsa["workload"] == workload
+        notes[workload] = nsa["note"] or ""
+    assert "no selection kernels" in notes["coherent"]
+    assert "selection" not in notes["random"]
+
+
 def test_decode_full_step_pads_the_value_cache(cpu_env):
     """The full-attention decode baseline with d_v < d_k keeps its v cache at d_k columns, zeros
     past d_v, and cuts o back: the step equals attention over the unpadded values."""
