@@ -199,8 +199,8 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
                     ow_ref, lw_ref, *, scale, sel_block, tile, window, block_win, ring,
                     n_sel, blocks_per_split, ring_tiles_per_split, dk_parts):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); idx_ref [n_sel_pad]
-    (-1 = none; the first n_sel are read); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref [L, dv_pad] (every token);
-    kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
+    (-1 = none; the first n_sel are read); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref
+    [L, dv_pad] (every token); kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
     s < ring holds token t - (t - s) mod ring). This split's partial softmaxes over its share of
     the selected blocks and of the ring tiles: os_ref, ow_ref [h_pad, dv_pad] (float32,
     normalised), ls_ref, lw_ref [h_pad] (log2, -inf if none)."""
@@ -377,7 +377,7 @@ def _combine_kernel(*refs, splits: tuple, gate=None):
         offset, h = gate
         logits_ref, bias_ref, mix_ref = refs[2 * n], refs[2 * n + 1], refs[-1]
         h_c = mix_ref.shape[0]
-        first = 3 * (pl.program_id(1) * h + pl.program_id(2) * h_c)    # h_c real heads (h_pad = h)
+        first = 3 * (pl.program_id(1) * h + pl.program_id(2) * h_c)    # h_c real heads
         mix = jnp.zeros(mix_ref.shape, jnp.float32)
         for j, o in enumerate(merged):
             logit = (logits_ref[pl.ds(offset + first + j, h_c, stride=3)].astype(jnp.float32)
