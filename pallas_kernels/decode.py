@@ -200,10 +200,10 @@ def _sel_win_kernel(t_ref, idx_ref, q_ref, ks_ref, vs_ref, kw_ref, vw_ref, os_re
                     n_sel, blocks_per_split, ring_tiles_per_split, dk_parts):
     """Grid (batch row, KV head, split). t_ref [1] (this row's position); idx_ref [n_sel_pad]
     (-1 = none; the first n_sel are read); q_ref [h_pad, dk_w]; ks_ref [L, dk_w], vs_ref
-    [L, dv_pad] (every token); kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring` slots, then padding: slot
-    s < ring holds token t - (t - s) mod ring). This split's partial softmaxes over its share of
-    the selected blocks and of the ring tiles: os_ref, ow_ref [h_pad, dv_pad] (float32,
-    normalised), ls_ref, lw_ref [h_pad] (log2, -inf if none)."""
+    [L, dv_pad] (every token); kw_ref [W_pad, dk_w], vw_ref [W_pad, dv_pad] (ring of `ring`
+    slots, then padding: slot s < ring holds token t - (t - s) mod ring). This split's partial
+    softmaxes over its share of the selected blocks and of the ring tiles: os_ref, ow_ref
+    [h_pad, dv_pad] (float32, normalised), ls_ref, lw_ref [h_pad] (log2, -inf if none)."""
     t = t_ref[0]
     q = load_cols(q_ref, (), dk_parts)
     scale_log2 = scale * LOG2_E
