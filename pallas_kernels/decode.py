@@ -283,11 +283,7 @@ def _merged_lse(lse_ref, heads: int, splits: int):
     """The `[h_pad]` log2 lse the selection divides by, from the splits' `[S_pad, h_pad]`:
     `combine_splits`' merge; 0 for a head that saw no key (its scores are all MASK), +inf on
     the padded heads (whose zero queries have finite scores: 2^(s - inf) = 0 drops them)."""
-    row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
-    part = jnp.where(row < splits, lse_ref[...], -jnp.inf)
-    m = jnp.max(part, axis=0)
-    m = jnp.where(m > -jnp.inf, m, 0.0)
-    total = jnp.sum(jnp.where(part > -jnp.inf, jnp.exp2(part - m[None, :]), 0.0), axis=0)
+    m, _, total = _split_weights(lse_ref[...], splits)
     lse = jnp.where(total > 0, m + jnp.log2(jnp.where(total > 0, total, 1.0)), 0.0)
     lse = jnp.where(jnp.abs(lse) < jnp.inf, lse, 0.0)          # NaN too
     head = lax.broadcasted_iota(jnp.int32, lse.shape, 0)
@@ -326,6 +322,18 @@ def _select_step(t_ref, lse, s_ref, value_ref, k, *, offsets, r, sel_block, n_cm
     value_ref[...] = jnp.where((j <= last) & (j < n_blocks), value, -jnp.inf)
 
 
+def _split_weights(lse, used: int):
+    """The split-KV merge of log2 lse `[S_pad, h]` (rows from `used` on are never written):
+    `(m [h], weight [S_pad, h], total [h])`, the largest lse (0 where no split saw a key), each
+    split's `2^(lse - m)` (0 for a split without keys) and their sum."""
+    row = lax.broadcasted_iota(jnp.int32, lse.shape, 0)
+    lse = jnp.where(row < used, lse, -jnp.inf)
+    m = jnp.max(lse, axis=0)
+    m = jnp.where(m > -jnp.inf, m, 0.0)
+    weight = jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0)
+    return m, weight, jnp.sum(weight, axis=0)
+
+
 def combine_splits(o_part, lse_part):
     """Merge split-KV partial softmaxes: o_part `[..., S, h, dv]` (each normalised over its own
     keys), lse_part `[..., S, h]` (log2, -inf for a split without keys) -> (o `[..., h, dv]`,
@@ -360,12 +368,7 @@ def _combine_kernel(*refs, splits: tuple, gate=None):
     merged = []
     for used, lse_ref, o_ref, out_ref, lse_out_ref in zip(splits, lse_refs, o_refs, out_refs,
                                                           lse_out_refs):
-        row = lax.broadcasted_iota(jnp.int32, lse_ref.shape, 0)
-        lse = jnp.where(row < used, lse_ref[...], -jnp.inf)
-        m = jnp.max(lse, axis=0)
-        m = jnp.where(m > -jnp.inf, m, 0.0)
-        weight = jnp.where(lse > -jnp.inf, jnp.exp2(lse - m[None, :]), 0.0)     # [S_pad, h_c]
-        total = jnp.sum(weight, axis=0)
+        m, weight, total = _split_weights(lse_ref[...], used)                    # [S_pad, h_c]
         row3 = lax.broadcasted_iota(jnp.int32, o_ref.shape, 0)
         o = jnp.where(row3 < used, o_ref[...], 0.0)    # unwritten rows may hold NaN
         acc = jnp.sum(weight[:, :, None] * o, axis=0)
@@ -458,29 +461,21 @@ def _append_kernel(*refs, n: int):
         _store_row(out_ref, tok_ref, 0, idx_ref[0])
 
 
-def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns: tuple):
-    """Grid (batch row,). refs = idx_ref [K] (the rows to write), n_src x src_ref [1, W_s] (the
-    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
-    place). Buffer i takes columns `columns[i] = (s, off)`: src s's `[off, off + W)`, at the
-    row in column `index_columns[i]` of idx_ref."""
+def _append_packed_kernel(*refs, n_src: int, columns: tuple, index_columns=None, limit=None):
+    """Grid (batch row,). refs = lead_ref, n_src x src_ref [1, W_s] (the step's projections),
+    n x the aliased buffers (unread), n x out_ref [S, W] (written in place). Buffer i takes
+    columns `columns[i] = (s, off)`: src s's `[off, off + W)`, at the row in column
+    `index_columns[i]` of lead_ref [K] (the rows); or, with `limit`, lead_ref [1] holding the
+    token's position t, at row `t % S` where `t < limit` and nowhere otherwise."""
     n = len(columns)
-    idx_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
-    for (s, off), j, out_ref in zip(columns, index_columns, out_refs):
-        _store_row(out_ref, src_refs[s], off, idx_ref[j])
-
-
-def _append_step_kernel(*refs, n_src: int, columns: tuple, limit: int):
-    """Grid (batch row,). refs = t_ref [1] (the token's position), n_src x src_ref [1, W_s] (the
-    step's projections), n x the aliased buffers (unread), n x out_ref [S, W] (written in
-    place). Buffer i takes columns `columns[i] = (s, off)` of src s at row `t % S`, where
-    `t < limit`; nothing otherwise."""
-    n = len(columns)
-    t = refs[0][0]
-    src_refs, out_refs = refs[1:1 + n_src], refs[1 + n_src + n:]
-    for (s, off), out_ref in zip(columns, out_refs):
-        size = out_ref.shape[0]
-        _store_row(out_ref, src_refs[s], off,
-                   jnp.where(t < limit, lax.rem(t, jnp.int32(size)), size))
+    lead_ref, src_refs, out_refs = refs[0], refs[1:1 + n_src], refs[1 + n_src + n:]
+    for i, ((s, off), out_ref) in enumerate(zip(columns, out_refs)):
+        if limit is None:
+            row = lead_ref[index_columns[i]]
+        else:
+            t, size = lead_ref[0], out_ref.shape[0]
+            row = jnp.where(t < limit, lax.rem(t, jnp.int32(size)), size)
+        _store_row(out_ref, src_refs[s], off, row)
 
 
 def _row_parts(width: int) -> tuple:
@@ -549,25 +544,15 @@ def append_rows_packed(buffers, sources, columns, index, index_columns, *,
     `[B, K]` int. So the projections' slices and the rows' arithmetic are no kernels of their
     own (H200: 31 -> 24 kernels and 84 -> 78 us busy a B 1 step at 64k). Returns the
     updated buffers (aliased to the inputs)."""
-    n = len(buffers)
-    if not (n == len(columns) == len(index_columns)) or n == 0:
-        raise ValueError(f"append_rows_packed takes a column and an index column per buffer "
-                         f"(got {n} buffers, {len(columns)}, {len(index_columns)})")
-    flat = _row_buffers(buffers)
-    for f, buf, (s, off), j in zip(flat, buffers, columns, index_columns):
-        if not (0 <= s < len(sources) and 0 <= off and off + f.shape[2] <= sources[s].shape[1]
-                and 0 <= j < index.shape[1]):
-            raise ValueError(f"column ({s}, {off}) / index column {j} of a buffer {buf.shape} "
-                             f"outside sources {[x.shape for x in sources]} / index "
-                             f"{index.shape}")
+    if len(index_columns) != len(buffers) or not all(0 <= j < index.shape[1]
+                                                     for j in index_columns):
+        raise ValueError(f"index_columns ({index_columns}) must name a column of index "
+                         f"{index.shape} per buffer ({len(buffers)})")
     K = next_pow2(index.shape[1])
     rows = jnp.pad(index.astype(jnp.int32), [(0, 0), (0, K - index.shape[1])])
-    srcs = [x.reshape(x.shape[0], 1, x.shape[1]) for x in sources]
-    specs = ([pl.BlockSpec((None, K), lambda b: (b, 0))]
-             + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs])
-    kernel = functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
+    return _append_packed_call(buffers, sources, columns, rows,
+                               pl.BlockSpec((None, K), lambda b: (b, 0)), interpret,
                                index_columns=tuple(index_columns))
-    return _append_call(kernel, buffers, flat, specs, [rows] + srcs, interpret)
 
 
 def append_step_packed(buffers, sources, columns, positions, *, limit: int,
@@ -578,25 +563,32 @@ def append_step_packed(buffers, sources, columns, positions, *, limit: int,
     of the sequences with `positions[b] < limit`, nothing in the others. positions int `[B]`.
     `append_rows_packed` with no index array, so the step computes no rows in XLA (a kernel of
     its own). Returns the updated buffers (aliased to the inputs)."""
+    if buffers and positions.shape != (buffers[0].shape[0],):
+        raise ValueError(f"positions must be [B={buffers[0].shape[0]}], got shape "
+                         f"{positions.shape}")
+    return _append_packed_call(buffers, sources, columns, positions.astype(jnp.int32),
+                               pl.BlockSpec((1,), lambda b: (b,)), interpret, limit=int(limit))
+
+
+def _append_packed_call(buffers, sources, columns, lead, lead_spec, interpret, **rows):
+    """The packed append kernel: the buffers' columns checked against the sources, `lead`
+    (the rows, or the positions) first, then the sources; `rows`: the kernel's row rule
+    (`index_columns=` or `limit=`)."""
     n = len(buffers)
-    if not (n == len(columns)) or n == 0:
-        raise ValueError(f"append_step_packed takes a column per buffer (got {n} buffers, "
+    if n == 0 or len(columns) != n:
+        raise ValueError(f"the packed appends take a column per buffer (got {n} buffers, "
                          f"{len(columns)} columns)")
     flat = _row_buffers(buffers)
     for f, buf, (s, off) in zip(flat, buffers, columns):
         if not (0 <= s < len(sources) and 0 <= off and off + f.shape[2] <= sources[s].shape[1]):
             raise ValueError(f"column ({s}, {off}) of a buffer {buf.shape} outside sources "
                              f"{[x.shape for x in sources]}")
-    B = flat[0].shape[0]
-    if positions.shape != (B,):
-        raise ValueError(f"positions must be [B={B}], got shape {positions.shape}")
     srcs = [x.reshape(x.shape[0], 1, x.shape[1]) for x in sources]
-    specs = ([pl.BlockSpec((1,), lambda b: (b,))]
-             + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0)) for x in srcs])
-    kernel = functools.partial(_append_step_kernel, n_src=len(srcs), columns=tuple(columns),
-                               limit=int(limit))
-    return _append_call(kernel, buffers, flat, specs, [positions.astype(jnp.int32)] + srcs,
-                        interpret)
+    specs = [lead_spec] + [pl.BlockSpec((None, 1, x.shape[2]), lambda b: (b, 0, 0))
+                           for x in srcs]
+    kernel = functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
+                               **rows)
+    return _append_call(kernel, buffers, flat, specs, [lead] + srcs, interpret)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -690,7 +682,7 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
     part, s = _compressed_parts(q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride,
                                 scale=scale, bs=bs, interpret=interpret)
     [(o, lse_log2)] = _combine([part], q.dtype, num_warps=bs.num_warps, interpret=interpret)
-    return o[:, :, :h, :dv].reshape(B, H, dv), lse_log2[:, :, :h], s
+    return _heads(o, H, dv), lse_log2[:, :, :h], s
 
 
 def _compressed_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
@@ -784,9 +776,7 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
         n_sel=n_sel, n_init=n_init, n_local=n_local, n_blocks=n_blocks, scale=scale, bs=bs,
         interpret=interpret)
     [(o, lse_log2)] = _combine([part], q.dtype, num_warps=bs.num_warps, interpret=interpret)
-    h = H // G
-    o = o[:, :, :h, :dv].reshape(B, H, dv)
-    return o, (lse_log2[:, :, :h] * LN_2).reshape(B, H), idx
+    return _heads(o, H, dv), (lse_log2[:, :, :H // G] * LN_2).reshape(B, H), idx
 
 
 def _compressed_select_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, sel_block, n_sel,
