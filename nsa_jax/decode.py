@@ -421,9 +421,21 @@ def _compress(blocks: jax.Array, cmp_params, cfg: NSAConfig, backend, options) -
 def _emit_blocks(cache: DecodeCache, params, cfg: NSAConfig, t, emit, backend,
                  options) -> DecodeCache:
     """Compress the raw rings (tokens `t-l+1 .. t` of each sequence) into slot `(t+1-l)/d` of
-    the sequences that `emit`; the compression MLP runs only on steps where one does."""
+    the sequences that `emit` (`t < max_len` and t completes a block): through the dispatch's
+    `decode_compress` (Pallas: one kernel that writes only there, no `cond`) where the backend
+    has it and compresses with the library's own `compress_kv`; otherwise under a `cond`, so
+    that the compression MLP runs only on steps where a sequence emits."""
     l, d = cfg.cmp_block, cfg.cmp_stride
     mlp = cfg.compress == "mlp"
+    if dispatch.library_only("compress_kv", backend):
+        try:
+            k_cmp, v_cmp = dispatch.call(
+                "decode_compress", backend, (cache.k_raw, cache.v_raw), (cache.k_cmp, cache.v_cmp),
+                (params["cmp_k"], params["cmp_v"]) if mlp else None, cfg, positions=t,
+                limit=cache.max_len, options=options)
+            return cache._replace(k_cmp=k_cmp, v_cmp=v_cmp)
+        except dispatch.NoBackendError:
+            pass
     n_slots = cache.k_cmp.shape[1]
     slot = jnp.where(emit, nsa_common.completed_cmp_block(t, l, d), n_slots)[:, None]  # [B, 1]
 

@@ -42,6 +42,11 @@ cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
         projections [B, W], the column of head 0's first gate logit, bg [3H])` or None; o: the
         branches mixed by those gates (spec step 9), or None where the entry leaves the mix to
         the caller
+    decode_compress(rings, buffers, cmp_params, cfg, *, positions, limit) -> buffers: where the
+        token at `positions[b]` (< limit) completes a compressed block, its summary from the raw
+        rings (`(k_raw, v_raw)`) written into `buffers` (`(k_cmp, v_cmp)`); cmp_params
+        `(cmp_k, cmp_v)` or None (mean). No XLA entry: without one the step compresses in XLA
+        under a `cond`, through `compress_kv`
 
 plus, when the caller has them, `segments=` (packed sequences, `nsa_jax.segments.Segments`;
 only passed to backends registered with `packed=True`) and `options=` (that backend's entry of
@@ -68,7 +73,7 @@ BRANCHES = ("compress_kv", "compressed_attention", "select_blocks", "selected_at
             "sliding_window_attention", "selected_block_mass", "selected_importance")
 DECODE_BRANCHES = ("decode_append", "decode_compressed_attention", "decode_select_blocks",
                    "decode_compressed_select", "decode_selected_window_attention",
-                   "decode_attention")
+                   "decode_attention", "decode_compress")
 
 Backend = Union[str, Sequence[str]]
 
@@ -198,7 +203,8 @@ class NoBackendError(NotImplementedError, ValueError):
 for _branch in BRANCHES:
     register_backend(_branch, "xla", getattr(xla, _branch), packed=True)
 for _branch in DECODE_BRANCHES:
-    register_backend(_branch, "xla", getattr(xla, _branch))
+    if hasattr(xla, _branch):   # decode_compress: XLA's is the step's own cond (nsa_jax.decode)
+        register_backend(_branch, "xla", getattr(xla, _branch))
 
 
 def static_options(options: Optional[Mapping[str, Any]]) -> Optional[tuple]:

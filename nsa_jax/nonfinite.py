@@ -215,4 +215,5 @@ GUARDS = {
     "decode_compressed_select": unguarded,
     "decode_selected_window_attention": unguarded,
     "decode_attention": unguarded,
+    "decode_compress": unguarded,
 }

@@ -362,6 +362,16 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg: NSAConfig
             None if o is None else o[:, None])
 
 
+def decode_compress(rings, buffers, cmp_params, cfg: NSAConfig, *, positions, limit: int,
+                    options: Optional[PallasOptions] = None):
+    """A step's block compression in one kernel, no `cond` (`pallas_kernels.compress_step`);
+    D not a power of two >= 16 declines (the step's `cond` in XLA compresses)."""
+    options = options or DEFAULT_OPTIONS
+    return kernels.compress_step(rings, buffers, positions, cmp_params, cmp_block=cfg.cmp_block,
+                                 cmp_stride=cfg.cmp_stride, limit=limit,
+                                 interpret=options.resolve_interpret())
+
+
 def register() -> None:
     """Register the Pallas branches and decode entries with `nsa_jax.dispatch` under the name
     "pallas", with "xla" for the rest."""
@@ -380,4 +390,5 @@ def register() -> None:
     register_backend("decode_selected_window_attention", "pallas",
                      decode_selected_window_attention)
     register_backend("decode_attention", "pallas", decode_attention)
+    register_backend("decode_compress", "pallas", decode_compress)
     register_fallback("pallas", "xla")

@@ -21,6 +21,7 @@ from pallas_kernels.decode import (
     append_rows,
     append_rows_packed,
     append_step_packed,
+    compress_step,
     decode_attention,
     decode_compressed,
     decode_compressed_reference,

@@ -43,7 +43,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from nsa_common import cmp_admissible, overlap_by_offset, overlap_weights
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
-                                    column_parts, dot_parts, load_cols, matmul_dim,
+                                    column_parts, dot, dot_parts, load_cols, matmul_dim,
                                     next_pow2, online_softmax_finish, online_softmax_init,
                                     online_softmax_step, pad_axis, pallas_call, parts_width)
 from pallas_kernels.select_blocks import BlockSizes, top_n
@@ -53,6 +53,7 @@ __all__ = [
     "append_rows",
     "append_rows_packed",
     "append_step_packed",
+    "compress_step",
     "decode_attention",
     "decode_compressed",
     "decode_compressed_reference",
@@ -589,6 +590,132 @@ def _append_packed_call(buffers, sources, columns, lead, lead_spec, interpret, *
     kernel = functools.partial(_append_packed_kernel, n_src=len(srcs), columns=tuple(columns),
                                **rows)
     return _append_call(kernel, buffers, flat, specs, [lead] + srcs, interpret)
+
+
+# Abramowitz & Stegun 7.1.26: erf to 1.5e-7 (absolute) with exp and a rational polynomial, the
+# operations the Triton lowering has (it has no erf).
+_ERF_P = 0.3275911
+_ERF_A = (0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
+
+
+def _erf(x):
+    z = jnp.abs(x)
+    u = 1.0 / (1.0 + _ERF_P * z)
+    poly = 0.0
+    for a in reversed(_ERF_A):
+        poly = (poly + a) * u
+    y = 1.0 - poly * jnp.exp(-z * z)
+    return jnp.where(x < 0, -y, y)
+
+
+# Hidden units of the compression MLP one pass of the step's compression kernel computes.
+_MLP_CHUNK = 32
+
+
+def _row_times(x, w):
+    """`x [1, D] @ w [D, N]` in float32 (IEEE): x broadcast to the 16 rows a product needs."""
+    rows = dot(jnp.broadcast_to(x, (16, x.shape[1])), w)
+    return jnp.max(rows, axis=0, keepdims=True)
+
+
+def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limit: int,
+                     mlp: bool):
+    """Grid (batch row, KV head). t_ref [1]: the position of the token the step appended. Where
+    it completes a compressed block (`t < limit`, `t = i*d + l - 1`), each of the n rings
+    (ring_ref [R, D], token s in slot s % R) gives the block's summary, written at row i of its
+    out_ref [C, D] (aliased to the compressed cache); elsewhere nothing is read or written.
+    refs = n x ring_ref, (mlp: n x (pos_ref [l, D], w1_ref [l*D, D], b1_ref [1, D], w2_ref
+    [D, D], b2_ref [1, D]): the phi MLP of the spec, exact GELU through `_erf`), n x the aliased
+    buffers (unread), n x out_ref. Mean compression (no MLP): the mean of the block's rows."""
+    l, d = cmp_block, cmp_stride
+    t = t_ref[0]
+    emit = (t < limit) & (t + 1 >= l) & (lax.rem(jnp.maximum(t + 1 - l, 0), jnp.int32(d)) == 0)
+    slot = lax.div(jnp.maximum(t + 1 - l, 0), jnp.int32(d))
+    rings = refs[:n]
+    params = refs[n:n + (5 * n if mlp else 0)]
+    outs = refs[len(refs) - n:]
+
+    @pl.when(emit)
+    def _write():
+        for i in range(n):
+            ring_ref, out_ref = rings[i], outs[i]
+            R, D = ring_ref.shape
+            first = t - l + 1
+
+            def row(j):
+                return ring_ref[pl.ds(lax.rem(first + j, jnp.int32(R)), 1), :].astype(jnp.float32)
+
+            if mlp:
+                pos_ref, w1_ref, b1_ref, w2_ref, b2_ref = params[5 * i:5 * i + 5]
+                width = w1_ref.shape[1]
+                chunk = min(_MLP_CHUNK, width)
+                summary = b2_ref[...].astype(jnp.float32)
+                # The hidden layer in column chunks (float32 weight tiles of [D, chunk], not
+                # [D, width], in registers), each chunk's GELU going into the output at once.
+                for c in range(0, width, chunk):
+                    def visit(j, acc, c=c):
+                        x = row(j) + pos_ref[pl.ds(j, 1), :].astype(jnp.float32)
+                        w = w1_ref[pl.ds(j * D, D), pl.ds(c, chunk)].astype(jnp.float32)
+                        return acc + _row_times(x, w)
+
+                    hidden = lax.fori_loop(0, l, visit, jnp.zeros((1, chunk), jnp.float32))
+                    hidden = hidden + b1_ref[:, pl.ds(c, chunk)].astype(jnp.float32)
+                    hidden = 0.5 * hidden * (1.0 + _erf(hidden * 0.7071067811865476))
+                    summary = summary + _row_times(
+                        hidden, w2_ref[pl.ds(c, chunk), :].astype(jnp.float32))
+            else:
+                summary = lax.fori_loop(0, l, lambda j, acc: acc + row(j),
+                                        jnp.zeros((1, D), jnp.float32)) / l
+            at = jnp.minimum(slot, out_ref.shape[0] - 1)
+            pltriton.store(out_ref.at[pl.ds(at, 1), :], summary.astype(out_ref.dtype),
+                           mask=jnp.broadcast_to(slot < out_ref.shape[0], summary.shape))
+
+
+def compress_step(rings, buffers, positions, cmp_params=None, *, cmp_block: int,
+                  cmp_stride: int, limit: int, interpret: bool = False):
+    """A decode step's block compression in one kernel, in place and without a `cond`: where
+    the token at `positions[b]` (< limit) completes a compressed block (`t = i*d + l - 1`), each
+    `rings[k] [B, R, G, D]` (the raw ring, token s in slot s % R, R >= l) gives the block's
+    summary, written at row i of `buffers[k] [B, C, G, D]`; other rows and sequences are left
+    as they are. cmp_params: per ring `{"pos", "w1", "b1", "w2", "b2"}` (the spec's phi MLP, the
+    shapes of `nsa_jax.layer`) or None (mean compression). D must be a power of two >= 16
+    (NotImplementedError otherwise: XLA compresses). Returns the updated buffers (aliased)."""
+    n = len(rings)
+    if n == 0 or len(buffers) != n or (cmp_params is not None and len(cmp_params) != n):
+        raise ValueError(f"compress_step takes a buffer (and MLP) per ring (got {n} rings, "
+                         f"{len(buffers)} buffers)")
+    B, _, G, _ = rings[0].shape
+    for ring, buf in zip(rings, buffers):
+        D = ring.shape[3]
+        if buf.shape[0] != B or buf.shape[2:] != (G, D) or ring.shape[1] < cmp_block:
+            raise ValueError(f"ring {ring.shape} and buffer {buf.shape} do not match (B, G, D; "
+                             f"R >= cmp_block = {cmp_block})")
+        if D != matmul_dim(D):
+            raise NotImplementedError(f"compress_step takes D a power of two >= 16, got {D}")
+    if positions.shape != (B,):
+        raise ValueError(f"positions must be [B={B}], got shape {positions.shape}")
+    per_head = lambda x: pl.BlockSpec((None, x.shape[1], None, x.shape[3]),     # noqa: E731
+                                      lambda b, g: (b, 0, g, 0))
+    specs, args = [pl.BlockSpec((1,), lambda b, g: (b,))], [positions.astype(jnp.int32)]
+    specs += [per_head(r) for r in rings]
+    args += list(rings)
+    if cmp_params is not None:
+        for p in cmp_params:
+            for name in ("pos", "w1", "b1", "w2", "b2"):
+                x = p[name] if p[name].ndim == 3 else p[name][:, None, :]
+                specs.append(pl.BlockSpec((None,) + x.shape[1:], lambda b, g: (g, 0, 0)))
+                args.append(x)
+    lead = len(args)
+    outs = pallas_call(
+        functools.partial(_compress_kernel, n=n, cmp_block=cmp_block, cmp_stride=cmp_stride,
+                          limit=int(limit), mlp=cmp_params is not None),
+        name="nsa_decode_compress", num_warps=4, num_stages=1, interpret=interpret,
+        grid=(B, G), in_specs=specs + [per_head(b) for b in buffers],
+        out_specs=[per_head(b) for b in buffers],
+        out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
+        input_output_aliases={lead + i: i for i in range(n)},
+    )(*args, *buffers)
+    return tuple(outs)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ Kernels: `select` (select_blocks, fused top-n), `selected` (selected attention: 
 dk/dv, the dk/dv reduction), `compressed` (the Pallas compressed attention, forward and
 backward), `window` (sliding-window attention: forward, dq, dk/dv), `decode` (the decode
 step's kernels: compressed, the split combine, selection, top-n, selected + window, the cache
-append), `all` (every one). `--set` overrides fields of that kernel's block sizes (the
+append, the block compression), `all` (every one). `--set` overrides fields of that kernel's block sizes (the
 `--arch` profile's tiles otherwise). A row fits when its shared memory is at most the
 architecture's per-block limit; the exit status is 0 when every row compiled and fits. A
 shape the profile has no tiles for (the Pallas backend then runs XLA) is a row with status
@@ -174,7 +174,12 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
 
         B = args.decode_batch
 
-        def fn(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, projections):
+        def mlp(D):
+            return {"pos": bf16(G, l, D), "w1": bf16(G, l * D, D), "b1": bf16(G, D),
+                    "w2": bf16(G, D, D), "b2": bf16(G, D)}
+
+        def fn(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, projections, k_raw, v_raw,
+               cmp_k, cmp_v):
             # The step's attention: five kernels, the combine mixing the branches by the gate
             # logits, which sit in the projections after q and the keys (as in a decode step).
             gate = (projections, projections.shape[1] - 3 * H, jnp.zeros((3 * H,), jnp.float32))
@@ -187,12 +192,18 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
             columns = [(0, 0)] * len(caches)
             appended = decode.append_step_packed(tuple(caches), (projections,), columns, t,
                                                  limit=S) if caches else ()
-            return out, appended
+            # The step's compression (the MLP of each ring), where D is a power of two.
+            rings = [(r, b, p) for r, b, p in ((k_raw, k_cmp, cmp_k), (v_raw, v_cmp, cmp_v))
+                     if r.shape[3] & (r.shape[3] - 1) == 0]
+            compressed = decode.compress_step(
+                tuple(r for r, _, _ in rings), tuple(b for _, b, _ in rings), t,
+                [p for _, _, p in rings], cmp_block=l, cmp_stride=d, limit=S) if rings else ()
+            return out, appended, compressed
         width = H * d_k + 2 * G * (d_k + d_v) + 3 * H
         return fn, (bf16(B, H, d_k), bf16(B, C, G, d_k), bf16(B, C, G, d_v),
                     bf16(B, S, G, d_k), bf16(B, S, G, d_v), bf16(B, window, G, d_k),
                     bf16(B, window, G, d_v), jax.ShapeDtypeStruct((B,), jnp.int32),
-                    bf16(B, width))
+                    bf16(B, width), bf16(B, l, G, d_k), bf16(B, l, G, d_v), mlp(d_k), mlp(d_v))
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -596,6 +596,74 @@ def test_decode_step_pallas_mixes_the_branches_in_the_combine(monkeypatch):
     assert gated == [True]          # traced once (jitted step): one gated combine
 
 
+@pytest.mark.parametrize("compress,dtype,D", [("mlp", jnp.float32, 16), ("mean", jnp.float32, 16),
+                                              ("mlp", jnp.bfloat16, 16), ("mlp", jnp.float32, 64)])
+def test_compress_step_writes_the_completed_blocks_only(compress, dtype, D):
+    """The step's compression kernel (interpret mode): a sequence whose token completes a block
+    gets the block's summary from its ring (read in token order) at row (t + 1 - l) / d, the
+    XLA compression's to float32 rounding (the MLP's GELU on an erf to 1.5e-7); a token that
+    completes none, one before the first block, and one at the limit leave the buffers as they
+    are; D not a power of two >= 16 declines. D 64: the MLP's hidden layer in two chunks."""
+    import pallas_kernels
+    from nsa_jax.layer import init_params
+    from nsa_jax.xla.compress import compress_blocks
+
+    cfg = NSAConfig.tiny(d_k=D, d_v=D, compress=compress)
+    l, d, G = cfg.cmp_block, cfg.cmp_stride, cfg.n_kv_heads
+    B, C, limit = 4, 12, 40      # C past the limit's blocks: a write at the limit would land
+    rng = np.random.default_rng(3)
+    rings = tuple(jnp.asarray(rng.standard_normal((B, l, G, D)), dtype) for _ in range(2))
+    bufs = tuple(jnp.asarray(rng.standard_normal((B, C, G, D)), dtype) for _ in range(2))
+    params = init_params(jax.random.PRNGKey(1), cfg, dtype)
+    # Biases and positions random too (the initialisation's are zero).
+    mlp = tuple({name: jnp.asarray(rng.standard_normal(w.shape) * 0.1, dtype)
+                 for name, w in params[key].items()}
+                for key in ("cmp_k", "cmp_v")) if compress == "mlp" else None
+    t = jnp.asarray([l - 1 + 2 * d, l + d, limit + d - 1 - (limit - l) % d, l - 2], jnp.int32)
+    got = pallas_kernels.compress_step(rings, bufs, t, mlp, cmp_block=l, cmp_stride=d,
+                                       limit=limit, interpret=True)
+    for k, (ring, buf, out) in enumerate(zip(rings, bufs, got)):
+        first = int(t[0]) - l + 1
+        block = ring[0, (first + np.arange(l)) % l]
+        summary = compress_blocks(block, None if mlp is None else mlp[k], cfg).astype(dtype)
+        want = np.asarray(buf, np.float32).copy()
+        want[0, 2] = np.asarray(summary, np.float32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), want,
+                                   atol=2e-6 if dtype == jnp.float32 else 1e-2,
+                                   rtol=4e-6 if dtype == jnp.float32 else 0)
+        np.testing.assert_array_equal(np.asarray(out[1:], np.float32),
+                                      np.asarray(buf[1:], np.float32))
+    narrow = tuple(jnp.zeros((B, l, G, 8), dtype) for _ in range(2))
+    with pytest.raises(NotImplementedError, match="power of two"):
+        pallas_kernels.compress_step(narrow, tuple(jnp.zeros((B, C, G, 8), dtype)
+                                                   for _ in range(2)),
+                                     t, None, cmp_block=l, cmp_stride=d, limit=limit)
+
+
+def test_decode_step_pallas_compresses_in_one_kernel(monkeypatch):
+    """A Pallas decode step with D 16 compresses through the kernel (no `cond`) and still
+    equals the layer at every position from an empty cache (float32), blocks included."""
+    import pallas_kernels
+
+    calls = []
+    compress_step = pallas_kernels.compress_step
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["limit"])
+        return compress_step(*args, **kwargs)
+
+    monkeypatch.setattr(pallas_kernels, "compress_step", spy)
+    cfg = NSAConfig.tiny(d_v=16)
+    T = 40
+    params, x = make_inputs(cfg, 2, T, jnp.float32, seed=12)
+    ref_y, ref_aux = nsa_jax.nsa_attention(params, x, cfg, return_aux=True)
+    y, idx, _ = _generation(params, x, cfg, T, "pallas")
+    assert calls == [T]
+    assert rel_err(y, ref_y) <= F32_TOL
+    for t in range(T):
+        np.testing.assert_array_equal(idx[t], ref_aux["block_idx"][:, t])
+
+
 def test_decode_step_pallas_options_and_errors():
     cfg = NSAConfig.tiny()
     params, x = make_inputs(cfg, 1, 3, jnp.float32)
