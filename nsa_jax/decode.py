@@ -463,7 +463,8 @@ def _decode_step_jit(params, x_t, cache: DecodeCache, block_idx, *, cfg: NSAConf
     cache = _emit_blocks(cache, params, cfg, t, emit, backend, options)
     o_cmp, o_sel, o_win, block_idx, o = _attend(
         proj["q"], cache, cfg, t[:, None], branches, backend, options, block_idx=block_idx,
-        gate=(*proj[GATE_LOGITS], params["bg"]) if GATE_LOGITS in proj else None)
+        gate=(*proj[GATE_LOGITS], params["bg"]) if GATE_LOGITS in proj else None,
+        q_rows=proj[PACKED][0][0][:, 0] if PACKED in proj else None)
     # Prepared params: the gate logits came out of the projection GEMM.
     gates = (gates_from_logits(params, proj["gate_logits"], cfg) if "gate_logits" in proj
              else gate_values(params, x_t, cfg))
@@ -490,7 +491,7 @@ def step_reads(cfg: NSAConfig, t: jax.Array, block_idx: jax.Array) -> dict:
 
 
 def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend, options, *,
-            window=None, block_idx=None, gate=None):
+            window=None, block_idx=None, gate=None, q_rows=None):
     """The branch outputs `[B, Q, H, d_v]` (0 for branches not asked for) and block_idx
     `[B, Q, G, n_sel]` (-1 without "sel") of queries q `[B, Q, H, d_k]` at positions `[B, Q]`,
     on a cache that already holds them, through the decode entries of `backend`.
@@ -500,7 +501,8 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
     keys (the ring before the chunk, then the chunk) and the token each row holds.
     block_idx: `[B, Q, G, n_sel]` blocks the selected branch reads instead of the selection's.
     gate: `(the projection GEMM's output [B, W], the first gate logit's column, bg)`, offered
-    to the entry of a step with the three branches, which may mix them.
+    to the entry of a step with the three branches, which may mix them; q_rows: the step's
+    RoPE'd heads `[B, W]` (q first), which that entry may read q from.
     -> `(o_cmp, o_sel, o_win, block_idx, o)`: o `[B, Q, H, d_v]` the branches mixed by the
     gates, or None where the entry did not mix them (the caller does).
     """
@@ -521,7 +523,8 @@ def _attend(q, cache: DecodeCache, cfg: NSAConfig, positions, branches, backend,
         # backend registered from outside would run one of the two entries it replaces.
         return run("decode_attention", q, cache.k_cmp, cache.v_cmp, cache.k_sel, cache.v_sel,
                    cache.k_win, cache.v_win, cfg, scale=cfg.scale,
-                   n_sel_blocks=num_sel_blocks(cfg, cache.max_len), block_idx=forced, gate=gate)
+                   n_sel_blocks=num_sel_blocks(cfg, cache.max_len), block_idx=forced, gate=gate,
+                   q_rows=q_rows)
     if "sel" in branches:
         # One entry for both (Pallas: the selection reads the compressed kernel's scores).
         o, block_idx = run("decode_compressed_select", q, cache.k_cmp, cache.v_cmp, cfg,

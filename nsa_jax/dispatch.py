@@ -36,12 +36,14 @@ cache (Q is 1 in a decode step; a chunked prefill passes its whole chunk):
         (window_tokens None: k_win / v_win are the cache's ring, token s in slot s % W;
         otherwise int `[B, K]`, the token held by each of their K rows)
     decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg, *, positions, scale,
-                     n_sel_blocks, block_idx, gate) -> (o_cmp, o_sel, o_win, block_idx, o): the
-        two above on the cache's ring in one entry, which a backend may fuse (block_idx None:
-        the entry selects; given: the selected branch reads those blocks). gate: `(the step's
-        projections [B, W], the column of head 0's first gate logit, bg [3H])` or None; o: the
-        branches mixed by those gates (spec step 9), or None where the entry leaves the mix to
-        the caller
+                     n_sel_blocks, block_idx, gate, q_rows)
+        -> (o_cmp, o_sel, o_win, block_idx, o): the two above on the cache's ring in one
+        entry, which a backend may fuse (block_idx None: the entry selects; given: the selected
+        branch reads those blocks). gate: `(the step's projections [B, W], the column of head
+        0's first gate logit, bg [3H])` or None; o: the branches mixed by those gates (spec step
+        9), or None where the entry leaves the mix to the caller; q_rows `[B, W]` or None: the
+        step's RoPE'd heads, whose first H*d_k columns are q's values (an entry may read q
+        there instead of q's own copy)
     decode_compress(rings, buffers, cmp_params, cfg, *, positions, limit) -> buffers: where the
         token at `positions[b]` (< limit) completes a compressed block, its summary from the raw
         rings (`(k_raw, v_raw)`) written into `buffers` (`(k_cmp, v_cmp)`); cmp_params

@@ -346,7 +346,7 @@ def decode_selected_window_attention(q, k_sel, v_sel, block_idx, k_win, v_win, c
 
 
 def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg: NSAConfig, *, positions,
-                     scale, n_sel_blocks: int, block_idx=None, gate=None,
+                     scale, n_sel_blocks: int, block_idx=None, gate=None, q_rows=None,
                      options: Optional[PallasOptions] = None):
     """The three branches in five kernels, one combine for all, which also mixes them by the
     gates where it can (`pallas_kernels.decode_attention`)."""
@@ -357,7 +357,8 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, cfg: NSAConfig
         cmp_block=cfg.cmp_block, cmp_stride=cfg.cmp_stride, sel_block=cfg.sel_block,
         n_sel=cfg.n_sel, n_init=cfg.n_init, n_local=cfg.n_local, n_blocks=n_sel_blocks,
         window=cfg.window, scale=scale, block_idx=None if block_idx is None else block_idx[:, 0],
-        gate=gate, block_sizes=options.decode_blocks, interpret=options.resolve_interpret())
+        gate=gate, q_rows=q_rows, block_sizes=options.decode_blocks,
+        interpret=options.resolve_interpret())
     return (o_cmp[:, None], o_sel[:, None], o_win[:, None], idx[:, None],
             None if o is None else o[:, None])
 

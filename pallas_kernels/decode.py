@@ -722,6 +722,20 @@ def compress_step(rings, buffers, positions, cmp_params=None, *, cmp_block: int,
 # Wrappers
 
 
+def _query_input(q, n_groups: int, dk_pad: int, q_rows=None):
+    """(the array the kernels read q from, its BlockSpec over grid (batch row, KV head, split)):
+    `q_rows [B, W]` itself where given and no padding is needed (its first H*d_k columns are q,
+    head by head: the step's RoPE'd heads, which the append kernel reads too, so that q is no
+    XLA slice of its own), else `_query_rows(q)`."""
+    B, H, dk = q.shape
+    h = H // n_groups
+    if q_rows is not None and h == matmul_dim(h) and dk == dk_pad:
+        rows = q_rows.reshape(B, q_rows.shape[1] // dk, dk)
+        return rows, pl.BlockSpec((None, h, dk), lambda b, g, i: (b, g, 0))
+    return _query_rows(q, n_groups, dk_pad), pl.BlockSpec(
+        (None, None, matmul_dim(h), dk_pad), lambda b, g, i: (b, g, 0, 0))
+
+
 def _query_rows(q, n_groups: int, dk_pad: int):
     """q [B, H, d_k] -> [B, G, h_pad, dk_pad] (zero rows and features for the padding)."""
     B, H, dk = q.shape
@@ -813,7 +827,7 @@ def _compressed_call(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, in
 
 
 def _compressed_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, interpret,
-                      score_offset: int = 0, min_cols: int = 0):
+                      score_offset: int = 0, min_cols: int = 0, q_rows=None):
     """The compressed kernel: ((o_part [B, G, S_pad, h_pad, dv_pad], lse_part [B, G, S_pad,
     h_pad], splits), the split-KV partial softmaxes that `_combine` merges; the raw log2 scores
     [B, G, h_pad, n_cols] float32 with slot i at column score_offset + i, n_cols >=
@@ -839,17 +853,18 @@ def _compressed_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, scale, bs, i
     cache_spec = lambda d: pl.BlockSpec((None, n_slots, None, d),              # noqa: E731
                                         lambda b, g, i: (b, 0, g, 0))
     s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
+    queries, q_spec = _query_input(q, G, dk_pad, q_rows)
     o_part, lse_part, s = pallas_call(
         kernel, name="nsa_decode_compressed", num_warps=bs.num_warps, num_stages=bs.num_stages,
         interpret=interpret,
         grid=(B, G, splits),
-        in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(h_pad, dk_pad),
+        in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), q_spec,
                   cache_spec(dk_pad), cache_spec(dv_pad)],
         out_specs=[per_split(h_pad, dv_pad), per_split(h_pad), per_group(h_pad, n_cols)],
         out_shape=[jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32),
                    jax.ShapeDtypeStruct((B, G, h_pad, n_cols), jnp.float32)],
-    )(t, _query_rows(q, G, dk_pad), kc, vc)
+    )(t, queries, kc, vc)
     return (o_part, lse_part, splits), s
 
 
@@ -907,7 +922,7 @@ def decode_compressed_select(q, k_cmp, v_cmp, t, *, cmp_block: int, cmp_stride: 
 
 
 def _compressed_select_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, sel_block, n_sel,
-                             n_init, n_local, n_blocks, scale, bs, interpret):
+                             n_init, n_local, n_blocks, scale, bs, interpret, q_rows=None):
     """The compressed kernel, the selection kernel and the top-n kernel: (the compressed
     branch's split parts for `_combine`, block_idx [B, G, n_sel])."""
     B, H, _ = q.shape
@@ -917,7 +932,8 @@ def _compressed_select_parts(q, k_cmp, v_cmp, t, *, cmp_block, cmp_stride, sel_b
     n_steps = -(-n_blocks // block_sel)
     part, s = _compressed_parts(
         q, k_cmp, v_cmp, t, cmp_block=cmp_block, cmp_stride=cmp_stride, scale=scale, bs=bs,
-        interpret=interpret, score_offset=left, min_cols=left + n_steps * block_sel * r)
+        interpret=interpret, score_offset=left, min_cols=left + n_steps * block_sel * r,
+        q_rows=q_rows)
     _, lse_part, splits = part
     h_pad, s_pad = s.shape[2], lse_part.shape[2]
     # The output as wide as the top-n kernel's rows (a power of two), so that no XLA pad
@@ -978,7 +994,7 @@ def _heads(o, H: int, dv: int):
 
 
 def _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_block, window,
-                           scale, bs, interpret):
+                           scale, bs, interpret, q_rows=None):
     """The selected + window kernel: the two branches' split parts for `_combine`."""
     B, H, dk = q.shape
     G, dv = k_sel.shape[2], v_sel.shape[3]
@@ -1010,17 +1026,18 @@ def _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
     s_pad = next_pow2(splits)  # the combine kernel's block; splits from `splits` on stay unwritten
     o_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad, dv_pad), jnp.float32)
     lse_part = jax.ShapeDtypeStruct((B, G, s_pad, h_pad), jnp.float32)
+    queries, q_spec = _query_input(q, G, dk_pad, q_rows)
     os_part, ls_part, ow_part, lw_part = pallas_call(
         kernel, name="nsa_decode_selected_window", num_warps=bs.num_warps,
         num_stages=bs.num_stages, interpret=interpret,
         grid=(B, G, splits),
         in_specs=[pl.BlockSpec((1,), lambda b, g, i: (b,)), per_group(n_sel_pad),
-                  per_group(h_pad, dk_pad), cache_spec(ks.shape[1], dk_pad),
+                  q_spec, cache_spec(ks.shape[1], dk_pad),
                   cache_spec(ks.shape[1], dv_pad), cache_spec(kw.shape[1], dk_pad),
                   cache_spec(kw.shape[1], dv_pad)],
         out_specs=[per_split(h_pad, dv_pad), per_split(h_pad)] * 2,
         out_shape=[o_part, lse_part] * 2,
-    )(t, idx, _query_rows(q, G, dk_pad), ks, vs, kw, vw)
+    )(t, idx, queries, ks, vs, kw, vw)
 
     return [(os_part, ls_part, splits), (ow_part, lw_part, splits)]
 
@@ -1030,7 +1047,7 @@ def _selected_window_parts(q, k_sel, v_sel, block_idx, k_win, v_win, t, *, sel_b
 def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_block: int,
                      cmp_stride: int, sel_block: int, n_sel: int, n_init: int, n_local: int,
                      n_blocks: int, window: int, scale: float, block_idx=None, gate=None,
-                     block_sizes: Optional[DecodeBlockSizes] = None,
+                     q_rows=None, block_sizes: Optional[DecodeBlockSizes] = None,
                      interpret: bool = False, implementation: str = "triton"):
     """The three branches of one query per sequence: `decode_compressed_select` and
     `decode_selected_window` with one combine kernel for the three branches' splits (a batch of
@@ -1040,6 +1057,9 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_bloc
     [3H])`: the gate logits of head k at columns `offset + 3k + (0, 1, 2)` (cmp, sel, win) of
     the step's projections; the combine kernel then also mixes the branches (spec step 9:
     `sum_j sigmoid(logit_j + bias_j) * o_j`), where a group's heads are a power of two >= 16.
+    q_rows `[B, W]` (W >= H*d_k): q's values as its first H*d_k columns, head by head (the
+    step's RoPE'd heads); the kernels then read q there (where no padding is needed), so that q
+    need not be a sliced copy.
 
     Returns `(o_cmp, o_sel, o_win [B, H, d_v] in q's dtype, block_idx [B, G, n_sel] int32, o)`:
     o `[B, H, d_v]` the gated mix, None without gate (or where the kernel does not mix: the
@@ -1064,14 +1084,15 @@ def decode_attention(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, *, cmp_bloc
     bs = _default_block_sizes(block_sizes, q, v_cmp)
     if block_idx is None:
         part, idx = _compressed_select_parts(q, k_cmp, v_cmp, t, bs=bs, interpret=interpret,
-                                             **selection)
+                                             q_rows=q_rows, **selection)
     else:
         part, _ = _compressed_parts(q, k_cmp, v_cmp, t, cmp_block=cmp_block,
                                     cmp_stride=cmp_stride, scale=scale, bs=bs,
-                                    interpret=interpret)
+                                    interpret=interpret, q_rows=q_rows)
         idx = block_idx.astype(jnp.int32)
     parts = _selected_window_parts(q, k_sel, v_sel, idx, k_win, v_win, t, sel_block=sel_block,
-                                   window=window, scale=scale, bs=bs, interpret=interpret)
+                                   window=window, scale=scale, bs=bs, interpret=interpret,
+                                   q_rows=q_rows)
     h = H // G
     mixes = gate is not None and matmul_dim(h) == h
     merged = _combine([part] + parts, q.dtype, num_warps=bs.num_warps, interpret=interpret,

@@ -179,14 +179,14 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
                     "w2": bf16(G, D, D), "b2": bf16(G, D)}
 
         def fn(q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, projections, k_raw, v_raw,
-               cmp_k, cmp_v):
+               cmp_k, cmp_v, heads):
             # The step's attention: five kernels, the combine mixing the branches by the gate
             # logits, which sit in the projections after q and the keys (as in a decode step).
             gate = (projections, projections.shape[1] - 3 * H, jnp.zeros((3 * H,), jnp.float32))
             out = decode.decode_attention(
                 q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, t, cmp_block=l, cmp_stride=d,
                 sel_block=l_sel, n_sel=n_sel, n_init=1, n_local=2, n_blocks=-(-S // l_sel),
-                window=window, scale=d_k ** -0.5, gate=gate, block_sizes=sizes)
+                window=window, scale=d_k ** -0.5, gate=gate, q_rows=heads, block_sizes=sizes)
             # The step's append kernel takes rows of G*d a power of two (XLA appends the others).
             caches = [x for x in (k_sel, v_sel) if (G * x.shape[3]) & (G * x.shape[3] - 1) == 0]
             columns = [(0, 0)] * len(caches)
@@ -203,7 +203,8 @@ def lowered_call(kernel: str, args, d_k: int, d_v: int, sizes):
         return fn, (bf16(B, H, d_k), bf16(B, C, G, d_k), bf16(B, C, G, d_v),
                     bf16(B, S, G, d_k), bf16(B, S, G, d_v), bf16(B, window, G, d_k),
                     bf16(B, window, G, d_v), jax.ShapeDtypeStruct((B,), jnp.int32),
-                    bf16(B, width), bf16(B, l, G, d_k), bf16(B, l, G, d_v), mlp(d_k), mlp(d_v))
+                    bf16(B, width), bf16(B, l, G, d_k), bf16(B, l, G, d_v), mlp(d_k), mlp(d_v),
+                    bf16(B, (H + 2 * G) * d_k))
     raise ValueError(f"unknown kernel {kernel!r}")
 
 

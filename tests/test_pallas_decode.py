@@ -342,6 +342,28 @@ def test_decode_attention_equals_its_two_entries(forced):
     assert got[4] is None and ref[4] is None
 
 
+def test_decode_attention_reads_q_out_of_the_heads_row():
+    """With q_rows (q's values first in a wider row, other heads after them) the kernels read q
+    there, not q's own array (NaN here): the same outputs and blocks as with q itself
+    (interpret mode), 16 heads a group."""
+    rng = np.random.default_rng(10)
+    B, G, h, dk, C, L, ring = 2, 2, 16, 16, 24, 100, 24
+    H = G * h
+    x = _inputs(B, H, G, dk, dk, C, L, ring, jnp.float32, seed=11)
+    rows = jnp.concatenate([x["q"].reshape(B, H * dk),
+                            jnp.asarray(rng.standard_normal((B, 6 * dk)), jnp.float32)], axis=1)
+    t = jnp.asarray([L - 1, 30], jnp.int32)
+    sel = dict(cmp_block=8, cmp_stride=4, sel_block=16, n_sel=4, n_init=1, n_local=2,
+               n_blocks=L // 16 + 1, window=24, scale=0.3)
+    caches = (x["q"], x["k_cmp"], x["v_cmp"], x["k_sel"], x["v_sel"], x["k_win"], x["v_win"])
+    want = D.decode_attention(*caches, t, interpret=True, **sel)
+    got = D.decode_attention(jnp.full_like(x["q"], jnp.nan), *caches[1:], t, q_rows=rows,
+                             interpret=True, **sel)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
+    for a, b in zip(got[:3], want[:3]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_decode_attention_mixes_the_branches_by_the_gates():
     """With the step's gate logits (columns of a wider projection row) and bias, the combine
     kernel also returns `sum_j sigmoid(logit_j + bias_j) * o_j` (the layer's

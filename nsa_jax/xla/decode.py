@@ -103,14 +103,14 @@ def decode_selected_window_attention(q: jax.Array, k_sel: jax.Array, v_sel: jax.
 def decode_attention(q: jax.Array, k_cmp: jax.Array, v_cmp: jax.Array, k_sel: jax.Array,
                      v_sel: jax.Array, k_win: jax.Array, v_win: jax.Array, cfg: NSAConfig, *,
                      positions: jax.Array, scale: float, n_sel_blocks: int,
-                     block_idx: Optional[jax.Array] = None, gate=None,
+                     block_idx: Optional[jax.Array] = None, gate=None, q_rows=None,
                      options: Optional[XlaOptions] = None):
     """`decode_compressed_select` then `decode_selected_window_attention` on the cache's ring:
     `(o_cmp, o_sel, o_win [B, Q, H, d_v], block_idx [B, Q, G, n_sel], None)`; block_idx given:
     the selected branch reads those blocks. The entry a backend may fuse (Pallas: one combine
     for the three branches, which mixes them by `gate`, the last output); here the caller
     mixes them (the last output None)."""
-    del gate
+    del gate, q_rows
     o_cmp, selected = decode_compressed_select(q, k_cmp, v_cmp, cfg, positions=positions,
                                                scale=scale, n_sel_blocks=n_sel_blocks,
                                                options=options)
