@@ -651,7 +651,9 @@ def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limi
                 chunk = min(_MLP_CHUNK, width)
                 summary = b2_ref[...].astype(jnp.float32)
                 # The hidden layer in column chunks (float32 weight tiles of [D, chunk], not
-                # [D, width], in registers), each chunk's GELU going into the output at once.
+                # [D, width], in registers: [D, width] spilled 30 KB), each chunk's GELU going
+                # into the output at once; the block's rows are read again for each chunk
+                # (l x D values, against l x D x chunk of weights).
                 for c in range(0, width, chunk):
                     def visit(j, acc, c=c):
                         x = row(j) + pos_ref[pl.ds(j, 1), :].astype(jnp.float32)
