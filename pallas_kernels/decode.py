@@ -608,25 +608,45 @@ def _erf(x):
     return jnp.where(x < 0, -y, y)
 
 
-# Hidden units of the compression MLP one pass of the step's compression kernel computes.
-_MLP_CHUNK = 32
+# Hidden units of the compression MLP one pass of the step's compression kernel computes: a
+# weight tile of [D, chunk] per token of the block, staged in shared memory by the loop's
+# pipeline. 16-bit weights: up to 128 (32 KB a tile); float32 weights multiply on the FMA units
+# with the tile in registers: 32 ([D, width] spilled 30 KB).
+_MLP_CHUNK = {2: 128, 4: 32}
 
 
-def _row_times(x, w):
-    """`x [1, D] @ w [D, N]` in float32 (IEEE): x broadcast to the 16 rows a product needs."""
-    rows = dot(jnp.broadcast_to(x, (16, x.shape[1])), w)
-    return jnp.max(rows, axis=0, keepdims=True)
+def _split_rows(x, dtype):
+    """x [1, K] float32 -> [16, K] in `dtype`, the left operand whose product with a [K, N] tile
+    of `dtype` gives x's product in rows 0 and 8 (summed by `_row_sum`): for 16-bit weights
+    rows 0-7 carry x rounded to the weights' type and rows 8-15 what that rounding left
+    (x = hi + lo to ~16 bits of mantissa, on the matrix units); float32 rows 0-7 carry x and
+    rows 8-15 zero (IEEE on the FMA units). A product needs 16 rows in any case."""
+    rows = lax.broadcasted_iota(jnp.int32, (16, x.shape[1]), 0)
+    if jnp.dtype(dtype).itemsize == 2:
+        hi = x.astype(dtype)
+        lo = (x - hi.astype(jnp.float32)).astype(dtype)
+        return jnp.where(rows < 8, jnp.broadcast_to(hi, rows.shape),
+                         jnp.broadcast_to(lo, rows.shape))
+    return jnp.where(rows < 8, jnp.broadcast_to(x, rows.shape), 0.0).astype(dtype)
+
+
+def _row_sum(acc):
+    """[16, N] products of `_split_rows` operands -> [1, N]: rows 0 and 8."""
+    rows = lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    return jnp.sum(jnp.where((rows == 0) | (rows == 8), acc, 0.0), axis=0, keepdims=True)
 
 
 def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limit: int,
                      mlp: bool):
-    """Grid (batch row, KV head). t_ref [1]: the position of the token the step appended. Where
-    it completes a compressed block (`t < limit`, `t = i*d + l - 1`), each of the n rings
-    (ring_ref [R, D], token s in slot s % R) gives the block's summary, written at row i of its
-    out_ref [C, D] (aliased to the compressed cache); elsewhere nothing is read or written.
-    refs = n x ring_ref, (mlp: n x (pos_ref [l, D], w1_ref [l*D, D], b1_ref [1, D], w2_ref
-    [D, D], b2_ref [1, D]): the phi MLP of the spec, exact GELU through `_erf`), n x the aliased
-    buffers (unread), n x out_ref. Mean compression (no MLP): the mean of the block's rows."""
+    """Grid (batch row, KV head, ring). t_ref [1]: the position of the token the step
+    appended. Where it completes a compressed block (`t < limit`, `t = i*d + l - 1`), the
+    program's ring (ring_ref [R, D], token s in slot s % R) gives the block's summary, written
+    at row i of its out_ref [C, D] (aliased to the compressed cache); elsewhere nothing is read
+    or written. refs = n x ring_ref, (mlp: n x (pos_ref [l, D], w1_ref [l*D, D], b1_ref [1, D],
+    w2_ref [D, D], b2_ref [1, D]): the phi MLP of the spec, exact GELU through `_erf`), n x the
+    aliased buffers (unread), n x out_ref. Mean compression (no MLP): the mean of the block's
+    rows. The rings are a grid axis so that a step that emits runs B*G*n programs, each reading
+    one l*D x D weight matrix through the pipelined token loop."""
     l, d = cmp_block, cmp_stride
     t = t_ref[0]
     emit = (t < limit) & (t + 1 >= l) & (lax.rem(jnp.maximum(t + 1 - l, 0), jnp.int32(d)) == 0)
@@ -635,9 +655,9 @@ def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limi
     params = refs[n:n + (5 * n if mlp else 0)]
     outs = refs[len(refs) - n:]
 
-    @pl.when(emit)
-    def _write():
-        for i in range(n):
+    for i in range(n):
+        @pl.when(emit & (pl.program_id(2) == i))
+        def _write(i=i):
             ring_ref, out_ref = rings[i], outs[i]
             R, D = ring_ref.shape
             first = t - l + 1
@@ -647,24 +667,24 @@ def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limi
 
             if mlp:
                 pos_ref, w1_ref, b1_ref, w2_ref, b2_ref = params[5 * i:5 * i + 5]
+                wt = w1_ref.dtype
                 width = w1_ref.shape[1]
-                chunk = min(_MLP_CHUNK, width)
+                chunk = min(_MLP_CHUNK[jnp.dtype(wt).itemsize], width)
                 summary = b2_ref[...].astype(jnp.float32)
-                # The hidden layer in column chunks (float32 weight tiles of [D, chunk], not
-                # [D, width], in registers: [D, width] spilled 30 KB), each chunk's GELU going
-                # into the output at once; the block's rows are read again for each chunk
-                # (l x D values, against l x D x chunk of weights).
+                # The hidden layer in column chunks, each chunk's GELU going into the output at
+                # once; the block's rows are read again for each chunk (l x D values, against
+                # l x D x chunk of weights).
                 for c in range(0, width, chunk):
                     def visit(j, acc, c=c):
                         x = row(j) + pos_ref[pl.ds(j, 1), :].astype(jnp.float32)
-                        w = w1_ref[pl.ds(j * D, D), pl.ds(c, chunk)].astype(jnp.float32)
-                        return acc + _row_times(x, w)
+                        return acc + dot(_split_rows(x, wt),
+                                         w1_ref[pl.ds(j * D, D), pl.ds(c, chunk)])
 
-                    hidden = lax.fori_loop(0, l, visit, jnp.zeros((1, chunk), jnp.float32))
-                    hidden = hidden + b1_ref[:, pl.ds(c, chunk)].astype(jnp.float32)
+                    acc = lax.fori_loop(0, l, visit, jnp.zeros((16, chunk), jnp.float32))
+                    hidden = _row_sum(acc) + b1_ref[:, pl.ds(c, chunk)].astype(jnp.float32)
                     hidden = 0.5 * hidden * (1.0 + _erf(hidden * 0.7071067811865476))
-                    summary = summary + _row_times(
-                        hidden, w2_ref[pl.ds(c, chunk), :].astype(jnp.float32))
+                    summary = summary + _row_sum(
+                        dot(_split_rows(hidden, wt), w2_ref[pl.ds(c, chunk), :]))
             else:
                 summary = lax.fori_loop(0, l, lambda j, acc: acc + row(j),
                                         jnp.zeros((1, D), jnp.float32)) / l
@@ -697,22 +717,22 @@ def compress_step(rings, buffers, positions, cmp_params=None, *, cmp_block: int,
     if positions.shape != (B,):
         raise ValueError(f"positions must be [B={B}], got shape {positions.shape}")
     per_head = lambda x: pl.BlockSpec((None, x.shape[1], None, x.shape[3]),     # noqa: E731
-                                      lambda b, g: (b, 0, g, 0))
-    specs, args = [pl.BlockSpec((1,), lambda b, g: (b,))], [positions.astype(jnp.int32)]
+                                      lambda b, g, r: (b, 0, g, 0))
+    specs, args = [pl.BlockSpec((1,), lambda b, g, r: (b,))], [positions.astype(jnp.int32)]
     specs += [per_head(r) for r in rings]
     args += list(rings)
     if cmp_params is not None:
         for p in cmp_params:
             for name in ("pos", "w1", "b1", "w2", "b2"):
                 x = p[name] if p[name].ndim == 3 else p[name][:, None, :]
-                specs.append(pl.BlockSpec((None,) + x.shape[1:], lambda b, g: (g, 0, 0)))
+                specs.append(pl.BlockSpec((None,) + x.shape[1:], lambda b, g, r: (g, 0, 0)))
                 args.append(x)
     lead = len(args)
     outs = pallas_call(
         functools.partial(_compress_kernel, n=n, cmp_block=cmp_block, cmp_stride=cmp_stride,
                           limit=int(limit), mlp=cmp_params is not None),
-        name="nsa_decode_compress", num_warps=4, num_stages=1, interpret=interpret,
-        grid=(B, G), in_specs=specs + [per_head(b) for b in buffers],
+        name="nsa_decode_compress", num_warps=4, num_stages=2, interpret=interpret,
+        grid=(B, G, n), in_specs=specs + [per_head(b) for b in buffers],
         out_specs=[per_head(b) for b in buffers],
         out_shape=[jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers],
         input_output_aliases={lead + i: i for i in range(n)},

@@ -619,13 +619,15 @@ def test_decode_step_pallas_mixes_the_branches_in_the_combine(monkeypatch):
 
 
 @pytest.mark.parametrize("compress,dtype,D", [("mlp", jnp.float32, 16), ("mean", jnp.float32, 16),
-                                              ("mlp", jnp.bfloat16, 16), ("mlp", jnp.float32, 64)])
+                                              ("mlp", jnp.bfloat16, 16), ("mlp", jnp.float32, 64),
+                                              ("mlp", jnp.bfloat16, 256)])
 def test_compress_step_writes_the_completed_blocks_only(compress, dtype, D):
     """The step's compression kernel (interpret mode): a sequence whose token completes a block
     gets the block's summary from its ring (read in token order) at row (t + 1 - l) / d, the
     XLA compression's to float32 rounding (the MLP's GELU on an erf to 1.5e-7); a token that
     completes none, one before the first block, and one at the limit leave the buffers as they
-    are; D not a power of two >= 16 declines. D 64: the MLP's hidden layer in two chunks."""
+    are; D not a power of two >= 16 declines. The MLP's hidden layer in two chunks: float32 D
+    64, bfloat16 D 256."""
     import pallas_kernels
     from nsa_jax.layer import init_params
     from nsa_jax.xla.compress import compress_blocks
@@ -660,6 +662,23 @@ def test_compress_step_writes_the_completed_blocks_only(compress, dtype, D):
         pallas_kernels.compress_step(narrow, tuple(jnp.zeros((B, C, G, 8), dtype)
                                                    for _ in range(2)),
                                      t, None, cmp_block=l, cmp_stride=d, limit=limit)
+
+
+@pytest.mark.parametrize("wdtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_compress_products_keep_float32_rows(wdtype):
+    """The compression kernel multiplies a float32 row by a 16-bit weight tile as two 16-bit
+    parts (rows 0-7 and 8-15 of one product): their sum is the float32 product to ~2^-16 of
+    the row (x rounded to the weights' type alone is off by ~2^-9); float32 weights: IEEE."""
+    from pallas_kernels.decode import _row_sum, _split_rows, dot
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((1, 64)) * 3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 32)), wdtype)
+    got = _row_sum(dot(_split_rows(x, wdtype), w))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+    assert np.max(np.abs(np.asarray(got) - want) / scale) < (3e-5 if wdtype != jnp.float32
+                                                             else 1e-6)
 
 
 def test_decode_step_pallas_compresses_in_one_kernel(monkeypatch):

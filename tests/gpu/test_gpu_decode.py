@@ -108,3 +108,40 @@ def test_fused_selection_paper_sizes(B):
             if extra:
                 values = score[b, g, sorted(i for i in extra if i >= 0)]
                 assert np.ptp(values) <= 1e-5 * np.abs(values).max(), (b, g, extra)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_compress_step_paper_sizes(dtype):
+    """The step's compression kernel (Triton) at paper sizes (l 32, d 16, G 4, D 128, the MLP):
+    rows whose token completes a block get the XLA compression's summary (bf16: to its
+    rounding; float32 to 1e-5), the other rows keep their buffers."""
+    import jax
+    import pallas_kernels
+    from nsa_jax.layer import init_params
+    from nsa_jax.xla.compress import compress_blocks
+
+    cfg = NSAConfig.paper(d_k=128)      # the kernel takes D a power of two
+    l, d, G, D = cfg.cmp_block, cfg.cmp_stride, cfg.n_kv_heads, cfg.d_k
+    B, C, limit = 3, 64, 1024
+    rng = np.random.default_rng(8)
+    rings = tuple(jnp.asarray(rng.standard_normal((B, l, G, D)), dtype) for _ in range(2))
+    bufs = tuple(jnp.asarray(rng.standard_normal((B, C, G, D)), dtype) for _ in range(2))
+    params = init_params(jax.random.PRNGKey(2), cfg, dtype)
+    mlp = tuple({name: jnp.asarray(rng.standard_normal(w.shape) * 0.05, dtype)
+                 for name, w in params[key].items()} for key in ("cmp_k", "cmp_v"))
+    t = jnp.asarray([l - 1 + 5 * d, l + 3, l - 1 + 9 * d], jnp.int32)
+    got = jax.jit(lambda r, b, t: pallas_kernels.compress_step(
+        r, b, t, mlp, cmp_block=l, cmp_stride=d, limit=limit))(rings, bufs, t)
+    for k, (ring, buf, out) in enumerate(zip(rings, bufs, got)):
+        want = np.asarray(buf, np.float32).copy()
+        for b, slot in ((0, 5), (2, 9)):
+            first = int(t[b]) - l + 1
+            block = ring[b, (first + np.arange(l)) % l]
+            want[b, slot] = np.asarray(compress_blocks(block, mlp[k], cfg).astype(dtype),
+                                       np.float32)
+        out = np.asarray(out, np.float32)
+        if dtype == jnp.float32:
+            np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+        else:   # one bf16 ulp at most where the float32 sums round differently
+            np.testing.assert_allclose(out, want, rtol=2 ** -7, atol=1e-6)
+        np.testing.assert_array_equal(out[1], np.asarray(buf[1], np.float32))
