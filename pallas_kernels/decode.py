@@ -618,13 +618,21 @@ _MLP_CHUNK = {2: 128, 4: 32}
 def _split_rows(x, dtype):
     """x [1, K] float32 -> [16, K] in `dtype`, the left operand whose product with a [K, N] tile
     of `dtype` gives x's product in rows 0 and 8 (summed by `_row_sum`): for 16-bit weights
-    rows 0-7 carry x rounded to the weights' type and rows 8-15 what that rounding left
+    rows 0-7 carry x cut to the weights' type and rows 8-15 what the cut left
     (x = hi + lo to ~16 bits of mantissa, on the matrix units); float32 rows 0-7 carry x and
     rows 8-15 zero (IEEE on the FMA units). A product needs 16 rows in any case."""
     rows = lax.broadcasted_iota(jnp.int32, (16, x.shape[1]), 0)
     if jnp.dtype(dtype).itemsize == 2:
-        hi = x.astype(dtype)
-        lo = (x - hi.astype(jnp.float32)).astype(dtype)
+        if jnp.dtype(dtype) == jnp.bfloat16:
+            # hi: x's top 16 bits, a bfloat16 value by construction: a compiler that keeps
+            # float32 across a round trip through bfloat16 (XLA's excess precision) cannot
+            # make lo zero.
+            bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000)
+            hi = lax.bitcast_convert_type(bits, jnp.float32)
+        else:
+            hi = x.astype(dtype).astype(jnp.float32)
+        lo = (x - hi).astype(dtype)
+        hi = hi.astype(dtype)
         return jnp.where(rows < 8, jnp.broadcast_to(hi, rows.shape),
                          jnp.broadcast_to(lo, rows.shape))
     return jnp.where(rows < 8, jnp.broadcast_to(x, rows.shape), 0.0).astype(dtype)
