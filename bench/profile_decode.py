@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,7 +42,7 @@ ROWS = ("nsa", "nsa_base", "fa3", "cudnn", "xla")
 COLUMNS = ["B", "S", "what", "label", "status", "wall_ms", "busy_ms", "idle_share",
            "kernels_per_step", "trace_plane", "note", "device", "commit"]
 KERNEL_COLUMNS = ["B", "S", "what", "label", "rank", "kernel", "per_step", "us_per_step",
-                  "share_of_busy", "device", "commit"]
+                  "share_of_busy", "device", "commit", "us_median", "us_max"]
 
 
 def device_events(trace_dir: str) -> tuple[str, list[tuple[str, int, int]]]:
@@ -83,7 +85,9 @@ def busy_ns(events) -> int:
 def trace_kernels(run, steps: int, top: int) -> tuple[str, float, float, list[dict]]:
     """Trace one call of `run` (which does `steps` steps and blocks until they finish) with
     `jax.profiler`. -> (trace plane, busy ms per step, kernels per step, the `top` kernels by
-    summed time: [{kernel, per_step, us_per_step, share_of_busy}])."""
+    summed time: [{kernel, per_step, us_per_step, share_of_busy, us_median, us_max}]; the
+    median and the longest of a kernel's calls tell a kernel that works on every step from one
+    whose work lands on a few, as the compression's does)."""
     import jax
 
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -94,15 +98,23 @@ def trace_kernels(run, steps: int, top: int) -> tuple[str, float, float, list[di
             jax.profiler.stop_trace()
         plane, events = device_events(trace_dir)
     busy = busy_ns(events) / 1e6 / steps
-    by_name = collections.defaultdict(lambda: [0, 0])
+    return plane, busy, len(events) / steps, rank_kernels(events, steps, busy, top)
+
+
+def rank_kernels(events, steps: int, busy_ms: float, top: int) -> list[dict]:
+    """The `top` kernels of `events` [(name, start_ns, end_ns)] by summed time, as
+    `trace_kernels` returns them (busy_ms: the busy time per step)."""
+    busy = busy_ms
+    calls = collections.defaultdict(list)
     for name, a, b in events:
-        by_name[name][0] += 1
-        by_name[name][1] += b - a
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
-    kernels = [dict(kernel=name[:120], per_step=count / steps, us_per_step=ns / 1e3 / steps,
-                    share_of_busy=ns / 1e6 / steps / busy if busy else None)
-               for name, (count, ns) in ranked]
-    return plane, busy, len(events) / steps, kernels
+        calls[name].append(b - a)
+    ranked = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:top]
+    kernels = [dict(kernel=name[:120], per_step=len(ns) / steps,
+                    us_per_step=sum(ns) / 1e3 / steps,
+                    share_of_busy=sum(ns) / 1e6 / steps / busy if busy else None,
+                    us_median=float(np.median(ns)) / 1e3, us_max=max(ns) / 1e3)
+               for name, ns in ranked]
+    return kernels
 
 
 def _step_and_cache(args, what: str, B: int, S: int):
@@ -266,8 +278,9 @@ def main(argv=None) -> int:
         top = [k for k in kernels if (k["B"], k["S"], k["what"]) == (r["B"], r["S"], r["what"])]
         if top:
             print(f"\nB={r['B']} S={r['S']} {r['what']}: top kernels")
-            print(common.format_table([[k["kernel"][:70], k["per_step"], k["us_per_step"]]
-                                       for k in top[:8]], ["kernel", "per step", "us/step"]))
+            print(common.format_table([[k["kernel"][:70], k["per_step"], k["us_per_step"],
+                                        k["us_median"], k["us_max"]] for k in top[:8]],
+                                      ["kernel", "per step", "us/step", "median us", "max us"]))
     return 0
 
 

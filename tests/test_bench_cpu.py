@@ -392,6 +392,22 @@ def test_profile_decode_busy_time_is_the_union_of_intervals():
     assert busy_ns([]) == 0
 
 
+def test_profile_decode_ranks_kernels_with_their_call_spread():
+    """A kernel whose work lands on one step in four (as the compression's does) shows a median
+    call far under its longest; the ranking is by summed time, per step."""
+    from bench.profile_decode import rank_kernels
+
+    events = [("compress", 0, 1000), ("compress", 2000, 3000), ("compress", 4000, 5000),
+              ("compress", 6000, 46000), ("gemm", 0, 12000), ("gemm", 13000, 25000)]
+    compress, gemm = rank_kernels(events, steps=4, busy_ms=0.02, top=5)
+    assert compress["kernel"] == "compress" and gemm["kernel"] == "gemm"
+    assert compress["per_step"] == 1.0 and compress["us_per_step"] == pytest.approx(10.75)
+    assert compress["us_median"] == pytest.approx(1.0) and compress["us_max"] == pytest.approx(40)
+    assert gemm["us_median"] == gemm["us_max"] == pytest.approx(12)
+    assert gemm["share_of_busy"] == pytest.approx(6 / 20)
+    assert [k["kernel"] for k in rank_kernels(events, 4, 0.02, top=1)] == ["compress"]
+
+
 @pytest.mark.slow
 def test_profile_decode_cpu_smoke(tmp_path, cpu_env):
     from bench import profile_decode
