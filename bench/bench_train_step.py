@@ -70,7 +70,7 @@ COLUMNS = ["bench", "row", "impl", "T", "B", "layers", "d_model", "H", "G", "dk"
            "ms", "ms_min", "ms_max", "compile_s", "peak_mb", "device_peak_mb", "kl_share",
            "speedup", "baseline", "note", "device", "busy_ms", "kernels"]
 KERNEL_COLUMNS = ["row", "T", "rank", "kernel", "per_step", "us_per_step", "share_of_busy",
-                  "device", "commit"]
+                  "device", "commit", "us_median", "us_max"]
 LATEST_COLUMNS = ["row", "T", "ms", "kl_share", "speedup", "peak_mb", "device_peak_mb",
                   "device", "commit", "status"]
 # Run order: the full-attention rows first, the most expensive step last (under --budget_s, a
