@@ -685,9 +685,11 @@ def test_compress_products_keep_float32_rows(wdtype):
                                                              else 1e-6)
 
 
-def test_decode_step_pallas_compresses_in_one_kernel(monkeypatch):
+@pytest.mark.parametrize("cfg", [NSAConfig.tiny(d_v=16), NSAConfig.tiny(d_v=16, shared_kv=True)])
+def test_decode_step_pallas_compresses_in_one_kernel(monkeypatch, cfg):
     """A Pallas decode step with D 16 compresses through the kernel (no `cond`) and still
-    equals the layer at every position from an empty cache (float32), blocks included."""
+    equals the layer at every position from an empty cache (float32), blocks included; with
+    one K/V for the three branches too."""
     import pallas_kernels
 
     calls = []
@@ -698,7 +700,6 @@ def test_decode_step_pallas_compresses_in_one_kernel(monkeypatch):
         return compress_step(*args, **kwargs)
 
     monkeypatch.setattr(pallas_kernels, "compress_step", spy)
-    cfg = NSAConfig.tiny(d_v=16)
     T = 40
     params, x = make_inputs(cfg, 2, T, jnp.float32, seed=12)
     ref_y, ref_aux = nsa_jax.nsa_attention(params, x, cfg, return_aux=True)
