@@ -809,9 +809,16 @@ def _parse_decode_set(text: str) -> dict:
         return {}
     from pallas_kernels.decode import DecodeBlockSizes
 
-    return common.parse_assignments(text, "--decode_set",
-                                    {f.name for f in dataclasses.fields(DecodeBlockSizes)},
-                                    "DecodeBlockSizes")
+    defaults = DecodeBlockSizes()
+    fields = common.parse_assignments(text, "--decode_set",
+                                      {f.name for f in dataclasses.fields(DecodeBlockSizes)},
+                                      "DecodeBlockSizes")
+    for key, value in fields.items():
+        kind = type(getattr(defaults, key))     # bool or int: what the field holds
+        if type(value) is not kind:
+            raise ValueError(f"--decode_set: {key}={value!r} must be {kind.__name__} "
+                             f"({'True or False' if kind is bool else 'an integer'})")
+    return fields
 
 
 def _decode_set_label(args) -> str:

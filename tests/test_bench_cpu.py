@@ -325,6 +325,12 @@ def test_decode_set_reaches_the_pallas_decode_kernels(tmp_path, cpu_env):
                                  "--decode_set", "split=1"])
     with pytest.raises(ValueError, match="needs --backend pallas"):
         bench_decode.parse_args(["--device", "cpu", "--decode_set", "split_dk=False"])
+    # A value of the wrong type is refused, not read as true ("false" is a non-empty string).
+    for bad, kind in (("split_dk=false", "bool"), ("block_cmp=64.0", "int"),
+                      ("num_warps=True", "int")):
+        with pytest.raises(ValueError, match=f"must be {kind}"):
+            bench_decode.parse_args(["--device", "cpu", "--backend", "pallas",
+                                     "--decode_set", bad])
 
 
 def test_decode_rejects_bad_loop_steps():
