@@ -104,17 +104,14 @@ def trace_kernels(run, steps: int, top: int) -> tuple[str, float, float, list[di
 def rank_kernels(events, steps: int, busy_ms: float, top: int) -> list[dict]:
     """The `top` kernels of `events` [(name, start_ns, end_ns)] by summed time, as
     `trace_kernels` returns them (busy_ms: the busy time per step)."""
-    busy = busy_ms
     calls = collections.defaultdict(list)
     for name, a, b in events:
         calls[name].append(b - a)
     ranked = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:top]
-    kernels = [dict(kernel=name[:120], per_step=len(ns) / steps,
-                    us_per_step=sum(ns) / 1e3 / steps,
-                    share_of_busy=sum(ns) / 1e6 / steps / busy if busy else None,
-                    us_median=float(np.median(ns)) / 1e3, us_max=max(ns) / 1e3)
-               for name, ns in ranked]
-    return kernels
+    return [dict(kernel=name[:120], per_step=len(ns) / steps, us_per_step=sum(ns) / 1e3 / steps,
+                 share_of_busy=sum(ns) / 1e6 / steps / busy_ms if busy_ms else None,
+                 us_median=float(np.median(ns)) / 1e3, us_max=max(ns) / 1e3)
+            for name, ns in ranked]
 
 
 def _step_and_cache(args, what: str, B: int, S: int):

@@ -41,7 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from nsa_common import cmp_admissible, overlap_by_offset, overlap_weights
+from nsa_common import (cmp_admissible, completed_cmp_block, completes_cmp_block,
+                         overlap_by_offset, overlap_weights)
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation, check_tile_sizes,
                                     column_parts, dot, dot_parts, load_cols, matmul_dim,
                                     next_pow2, online_softmax_finish, online_softmax_init,
@@ -657,8 +658,8 @@ def _compress_kernel(t_ref, *refs, n: int, cmp_block: int, cmp_stride: int, limi
     one l*D x D weight matrix through the pipelined token loop."""
     l, d = cmp_block, cmp_stride
     t = t_ref[0]
-    emit = (t < limit) & (t + 1 >= l) & (lax.rem(jnp.maximum(t + 1 - l, 0), jnp.int32(d)) == 0)
-    slot = lax.div(jnp.maximum(t + 1 - l, 0), jnp.int32(d))
+    emit = (t < limit) & completes_cmp_block(t, l, d)
+    slot = completed_cmp_block(t, l, d)                 # read only where emit
     rings = refs[:n]
     params = refs[n:n + (5 * n if mlp else 0)]
     outs = refs[len(refs) - n:]

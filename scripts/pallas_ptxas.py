@@ -22,8 +22,8 @@ Kernels: `select` (select_blocks, fused top-n), `selected` (selected attention: 
 dk/dv, the dk/dv reduction), `compressed` (the Pallas compressed attention, forward and
 backward), `window` (sliding-window attention: forward, dq, dk/dv), `decode` (the decode
 step's kernels: compressed, the split combine, selection, top-n, selected + window, the cache
-append, the block compression), `all` (every one). `--set` overrides fields of that kernel's block sizes (the
-`--arch` profile's tiles otherwise). A row fits when its shared memory is at most the
+append, the block compression), `all` (every one). `--set` overrides fields of that kernel's
+block sizes (the `--arch` profile's tiles otherwise). A row fits when its shared memory is at most the
 architecture's per-block limit; the exit status is 0 when every row compiled and fits. A
 shape the profile has no tiles for (the Pallas backend then runs XLA) is a row with status
 `no tiles: ...`, which counts as neither a failure nor a fit.
