@@ -10,6 +10,8 @@ import argparse
 import csv
 import math
 import os
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -87,6 +89,31 @@ def test_missing_checkout_is_skipped_with_its_reason(tmp_path, monkeypatch, caps
     assert {(r["peer"], r["H"], r["w"]) for r in ours} == {("mdy666", "64", "513"),
                                                           ("fsa", "4", "513")}
     assert (out / "peers_summary.txt").read_text().startswith("NSA peers side by side")
+
+
+def _fsa_checkout(root, line):
+    source = root / fsa.KERNEL_FILE
+    source.parent.mkdir(parents=True)
+    source.write_text(f"def reduce_kernel(lse_ptr, pid_q_j, stride_lse_n):\n    {line}\n")
+    return root
+
+
+def test_fsa_checkout_that_triton_3_6_cannot_compile_is_named(tmp_path, monkeypatch):
+    """FSA's 1-tuple pointer: from Triton 3.6 on, the line and its fix are the skip reason
+    (before its kernels compile and fail); the line written as a pointer, an older Triton or
+    no checkout pass."""
+    tuple_line = _fsa_checkout(tmp_path / "tuple", fsa.TUPLE_POINTER)
+    fixed = _fsa_checkout(tmp_path / "fixed", "lse_ptrs = lse_ptr + pid_q_j * stride_lse_n")
+    why = fsa.triton_incompatibility(str(tuple_line), "3.6.0")
+    assert f"{fsa.KERNEL_FILE}:2" in why and "Triton 3.6.0" in why
+    assert "`lse_ptrs = lse_ptr + pid_q_j * stride_lse_n`" in why
+    assert fsa.triton_incompatibility(str(tuple_line), "3.10.1") is not None
+    assert fsa.triton_incompatibility(str(tuple_line), "3.5.0") is None
+    assert fsa.triton_incompatibility(str(fixed), "3.6.0") is None
+    assert fsa.triton_incompatibility(None, "3.6.0") is None
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    with pytest.raises(common.Skip, match="1-tuple"):
+        fsa.load(str(tuple_line), fsa.config())
 
 
 def test_ours_runs_the_passes_the_peer_ran():

@@ -24,9 +24,17 @@ Decode: `fsa_preview` (a beta of one sequence): `_compressed_attention_decode` (
 branch and top-k of the query at S - 1), `_topk_sparse_attention_decode` (the reference NSA
 kernel) and the window (SDPA over the last 513 keys, as the stand-in), with the compressed K/V
 precomputed; its module's per-step concatenation of the cache is left out.
+
+Triton 3.6: one line of FSA's `reduce_kernel` (`fsa/ops/FSA_topk_sparse_attention.py` at
+`1da34f3`) wraps a pointer in a 1-tuple, `lse_ptrs = (lse_ptr + pid_q_j * stride_lse_n,)`,
+which Triton 3.6 types as a tuple (`'tuple_type' object has no attribute 'is_ptr'`). The other
+kernels of `FSA_topk_sparse_attention`'s forward and backward compile as they are. Without the
+parentheses and the comma the line is the pointer it meant; a checkout that still has them is
+skipped with that reason (`triton_incompatibility`), not compiled and failed at its first call.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Optional
 
@@ -58,7 +66,37 @@ def notes(cfg) -> str:
             f"B 1")
 
 
+# The line of FSA's selected-attention kernels that Triton 3.6 does not compile (docstring).
+KERNEL_FILE = "fsa/ops/FSA_topk_sparse_attention.py"
+TUPLE_POINTER = "lse_ptrs = (lse_ptr + pid_q_j * stride_lse_n,)"
+
+
+def triton_incompatibility(path: Optional[str], triton_version: str) -> Optional[str]:
+    """Why the checkout at `path` will not compile under Triton `triton_version`, or None (no
+    checkout, another file, or a Triton before 3.6, which this was not measured on)."""
+    major_minor = tuple(int(part) for part in triton_version.split(".")[:2] if part.isdigit())
+    source = os.path.join(path or "", KERNEL_FILE)
+    if path is None or major_minor < (3, 6) or not os.path.isfile(source):
+        return None
+    with open(source, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip() == TUPLE_POINTER:
+                return (f"{KERNEL_FILE}:{number} wraps a pointer in a 1-tuple, which Triton "
+                        f"{triton_version} does not compile; write it as "
+                        f"`{TUPLE_POINTER.replace('(', '', 1).replace(',)', '')}` in the "
+                        f"checkout")
+    return None
+
+
 def load(path: Optional[str], cfg) -> "Peer":
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    why = triton and triton_incompatibility(path, triton.__version__)
+    if why:
+        from bench.common import Skip
+        raise Skip(why)
     return Peer(path, cfg)
 
 
