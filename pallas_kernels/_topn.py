@@ -52,6 +52,21 @@ def insert_top(top_val, top_idx, score, index):
     return top_val, top_idx
 
 
+def ascending_by_rank(top_idx, n_sel: int):
+    """`ascending`'s result without its serial rounds: each of the K slots of `top_idx [R, K]`
+    (distinct block indices, or NO_BLOCK, which may repeat) counts the slots that sort before
+    it (a smaller index, or an equal one in an earlier slot) and lands at that rank, in two
+    `[R, K, K]` comparisons. The `n_sel` first ranks, empty slots -> -1."""
+    a, b = top_idx[:, :, None], top_idx[:, None, :]
+    shape = (1,) + top_idx.shape[1:] * 2
+    mine = lax.broadcasted_iota(jnp.int32, shape, 1)
+    other = lax.broadcasted_iota(jnp.int32, shape, 2)
+    before = (b < a) | ((b == a) & (other < mine))
+    rank = jnp.sum(before.astype(jnp.int32), axis=2)                          # [R, K]
+    out = jnp.sum(jnp.where(rank[:, :, None] == other, a, 0), axis=1)         # [R, K]
+    return jnp.where(out >= NO_BLOCK, -1, out)
+
+
 def ascending(top_idx, n_sel: int):
     """The `n_sel` smallest of `top_idx [R, K]` in ascending order; empty slots -> -1."""
     column = lax.broadcasted_iota(jnp.int32, top_idx.shape, 1)

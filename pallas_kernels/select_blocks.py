@@ -49,7 +49,8 @@ from pallas_kernels._common import (LOG2_E, MATMUL_MIN, check_implementation, ch
 # The tile layout this kernel shares with compressed_attention (rows of one KV group's heads
 # over tiles of compressed keys).
 import pallas_kernels._compressed_tiles as tiles
-from pallas_kernels._topn import NO_BLOCK as _NO_BLOCK, ascending, empty_top, insert_top
+from pallas_kernels._topn import (NO_BLOCK as _NO_BLOCK, ascending, ascending_by_rank,
+                                  empty_top, insert_top)
 
 
 
@@ -343,24 +344,27 @@ def _score_kernel(q_ref, k_ref, lse_ref, score_ref, *, q_offset: int, **geometry
 
 def _topn_kernel(score_ref, idx_ref, *, n_sel: int):
     """`n_sel` argmax rounds over whole score rows `[R, n_cols]`: each round takes every row's
-    best score, the lowest index among equal bests (the spec's tie rule), and removes it; a
-    `-inf` best (nothing eligible left) yields no block. Output ascending, `-1` padded."""
+    best score, the lowest index among equal bests (the spec's tie rule; one reduction of
+    (score, index) pairs), and removes it; a row yields as many blocks as it has eligible
+    scores (neither `-inf` nor NaN), counted once before the rounds. Output ascending
+    (`ascending_by_rank`), `-1` padded."""
     score = score_ref[...]
+    score = jnp.where(score == score, score, -jnp.inf)
     column = lax.broadcasted_iota(jnp.int32, score.shape, 1)
     slot = lax.broadcasted_iota(jnp.int32, idx_ref.shape, 1)
+    eligible = jnp.sum((score > -jnp.inf).astype(jnp.int32), axis=1)
 
     def pick(i, carry):
         score, chosen = carry
-        best = score.max(axis=1)
-        index = jnp.where(score == best[:, None], column, _NO_BLOCK).min(axis=1)
-        index = jnp.where(best == -jnp.inf, _NO_BLOCK, index)
+        index = lax.argmax(score, 1, jnp.int32)
+        index = jnp.where(i < eligible, index, _NO_BLOCK)
         chosen = jnp.where(slot == i, index[:, None], chosen)
         score = jnp.where(column == index[:, None], -jnp.inf, score)
         return score, chosen
 
     _, chosen = lax.fori_loop(0, n_sel, pick,
                               (score, jnp.full(idx_ref.shape, _NO_BLOCK, jnp.int32)))
-    idx_ref[...] = ascending(chosen, n_sel)
+    idx_ref[...] = ascending_by_rank(chosen, n_sel)
 
 
 def _top_n_xla(score, n_sel: int):
@@ -394,9 +398,9 @@ def _top_n_pallas(score, n_sel: int, block_sizes: BlockSizes, interpret: bool):
 
 def top_n(score, n_sel: int, *, block_sizes: Optional[BlockSizes] = None,
           interpret: bool = False, implementation: str = "triton"):
-    """The `n_sel` best of each row of `score [..., n]` (float32, higher is better; `-inf` is
-    never picked, `+inf` always first): block_idx int32 `[..., n_sel]`, ascending, `-1` padded;
-    among equal scores the lower index first (the spec's tie rule). The top-n kernel of
+    """The `n_sel` best of each row of `score [..., n]` (float32, higher is better; `-inf` and
+    NaN are never picked, `+inf` always first): block_idx int32 `[..., n_sel]`, ascending, `-1`
+    padded; among equal scores the lower index first (the spec's tie rule). The top-n kernel of
     `topn="pallas"` (n padded to a power of two with `-inf`); `implementation="xla"`:
     `lax.top_k` and a sort. Decode ranks its `[B, G, n_blocks]` scores with it: XLA's sort of a
     row of 1,024 took 17 us on an H100 and its top-k kernel 62 us (bench/RESULTS.md)."""

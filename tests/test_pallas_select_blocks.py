@@ -234,6 +234,48 @@ def test_top_n_methods_agree(topn, head_sum_dot):
     np.testing.assert_array_equal(got, expected)
 
 
+def _top_n_brute_force(score, n_sel):
+    """Each row's n_sel best (higher score first, the lower index on equal scores; -inf and NaN
+    never), ascending, -1 padded."""
+    out = np.full(score.shape[:-1] + (n_sel,), -1, np.int32)
+    for row in np.ndindex(score.shape[:-1]):
+        values = score[row]
+        eligible = [j for j in range(len(values)) if values[j] > -np.inf]
+        best = sorted(eligible, key=lambda j: (-values[j], j))[:n_sel]
+        out[row][:len(best)] = sorted(best)
+    return out
+
+
+def top_n_cases(n_cols, n_sel):
+    """Scores with many equal values, forced (+inf) and ineligible (-inf, NaN) blocks, and rows
+    with fewer eligible blocks than n_sel (row 4: three, two of them tied; row 5: all forced)."""
+    rng = np.random.default_rng(n_cols + n_sel)
+    rows = 24
+    score = rng.integers(0, 6, (rows, n_cols)).astype(np.float32)        # ties everywhere
+    score[rng.random((rows, n_cols)) < 0.2] = -np.inf
+    score[rng.random((rows, n_cols)) < 0.05] = np.nan
+    score[rng.random((rows, n_cols)) < 0.01] = np.inf
+    score[3, :] = -np.inf
+    score[4, :] = -np.inf
+    score[4, [7, 2, 11]] = [1.0, 1.0, -2.0]                  # three eligible, two of them tied
+    score[5, :] = np.inf                                      # every block forced: the lowest
+    return score
+
+
+def check_top_n(got, score, n_sel):
+    np.testing.assert_array_equal(np.asarray(got), _top_n_brute_force(score, n_sel))
+    assert (np.asarray(got)[4] == [2, 7, 11] + [-1] * (n_sel - 3)).all()
+
+
+@pytest.mark.parametrize("n_cols, n_sel", [(1024, 16), (64, 5), (16, 16)])
+def test_top_n_kernel_against_brute_force(n_cols, n_sel):
+    """The top-n kernel on `top_n_cases`: one row a program (1,024 columns) and 16 (64)."""
+    import pallas_kernels
+
+    score = top_n_cases(n_cols, n_sel)
+    check_top_n(pallas_kernels.top_n(jnp.asarray(score), n_sel, interpret=True), score, n_sel)
+
+
 def test_compressed_lse_matches_the_forward():
     q, k = make_inputs(6, 1, 70, 4, 2, 16, 8, 4)
     _, lse = compressed_attention(q, k, k, cmp_block=8, cmp_stride=4, interpret=True)

@@ -75,6 +75,20 @@ def test_decode_ranking_equals_the_sort_on_the_gpu():
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("n_cols, n_sel", [(1024, 16), (64, 5)])
+def test_top_n_kernel_against_brute_force_on_the_gpu(n_cols, n_sel):
+    """The compiled top-n kernel (Triton) on the CPU test's cases: ties, +inf, -inf, NaN, rows
+    with fewer eligible blocks than n_sel."""
+    import jax
+
+    import pallas_kernels
+    from test_pallas_select_blocks import check_top_n, top_n_cases
+
+    score = top_n_cases(n_cols, n_sel)
+    got = jax.jit(lambda s: pallas_kernels.top_n(s, n_sel))(jnp.asarray(score))
+    check_top_n(got, score, n_sel)
+
+
 @pytest.mark.parametrize("B", [1, 32])
 def test_fused_selection_paper_sizes(B):
     """`decode_compressed_select` (Triton) at paper sizes over a 64k cache, bf16: o and lse as
