@@ -84,7 +84,8 @@ class DecodeBlockSizes:
     program, so `topn_elements // n_blocks` rows a program, and its warps). Measured at 64k on
     an H100 (bench/profile_decode.py): the selection kernel 3.1 / 28.4 us at B 1 / 32 with
     32 blocks a program (3.9 / 29.7 with 64, 3.4 / 28.6 with 128); the top-n kernel 6.6 / 7.0 us
-    with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps).
+    with one row of 1,024 blocks a program (8.7 / 9.0 with four, 7.4 / 7.8 with one on 8 warps),
+    before its rounds became one argmax each (5.6 / 5.8 us on an H200).
     append_kernel: a step's six cache appends in one kernel (`append_rows`; False: XLA's
     scatters). append_packed: that kernel reads the tokens straight out of the projections and
     its rows out of one index array (`append_rows_packed`), so the step has no slice or row
