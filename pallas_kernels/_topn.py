@@ -1,8 +1,8 @@
 """The top-n pieces of the selection kernels, in registers: the fused prefill selection's
-running top-n (`select_blocks`), and the ascending output of it and of the top-n kernel (which
-decode ranks with too). Only max / min reductions, `where` and iota comparisons (argmax as
-the lowest index among the maxima), all of which the Triton lowering supports; the order is the
-spec's (higher score first, the lower index on equal scores)."""
+running top-n (`select_blocks`) and its ascending output, and the ascending output of the top-n
+kernel (which decode ranks with too) by rank. Only reductions (max, min, sum), `where` and iota
+comparisons, all of which the Triton lowering supports; the order is the spec's (higher score
+first, the lower index on equal scores)."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -52,11 +52,11 @@ def insert_top(top_val, top_idx, score, index):
     return top_val, top_idx
 
 
-def ascending_by_rank(top_idx, n_sel: int):
-    """`ascending`'s result without its serial rounds: each of the K slots of `top_idx [R, K]`
-    (distinct block indices, or NO_BLOCK, which may repeat) counts the slots that sort before
-    it (a smaller index, or an equal one in an earlier slot) and lands at that rank, in two
-    `[R, K, K]` comparisons. The `n_sel` first ranks, empty slots -> -1."""
+def ascending_by_rank(top_idx):
+    """`top_idx [R, K]` (distinct block indices, or NO_BLOCK, which may repeat) in ascending
+    order, empty slots -> -1: `ascending` without its serial rounds. Each slot counts the slots
+    that sort before it (a smaller index, or an equal one in an earlier slot) and lands at that
+    rank, in two `[R, K, K]` comparisons."""
     a, b = top_idx[:, :, None], top_idx[:, None, :]
     shape = (1,) + top_idx.shape[1:] * 2
     mine = lax.broadcasted_iota(jnp.int32, shape, 1)

@@ -364,7 +364,7 @@ def _topn_kernel(score_ref, idx_ref, *, n_sel: int):
 
     _, chosen = lax.fori_loop(0, n_sel, pick,
                               (score, jnp.full(idx_ref.shape, _NO_BLOCK, jnp.int32)))
-    idx_ref[...] = ascending_by_rank(chosen, n_sel)
+    idx_ref[...] = ascending_by_rank(chosen)
 
 
 def _top_n_xla(score, n_sel: int):
