@@ -110,12 +110,18 @@ def bf_select_blocks(q, k_cmp, cfg: NSAConfig, scale=None) -> np.ndarray:
             forced = set(range(min(cfg.n_init, last + 1)))
             forced |= set(range(max(0, last - cfg.n_local + 1), last + 1))
             for g in range(G):
-                score = {j: (math.inf if j in forced else group_score[b, t, g, j])
-                         for j in range(last + 1)}
-                ranked = sorted(score, key=lambda j: (-score[j], j))[: cfg.n_sel]
-                chosen = sorted(ranked)
+                score = [math.inf if j in forced else group_score[b, t, g, j]
+                         for j in range(last + 1)]
+                chosen = bf_top_n(score, cfg.n_sel)
                 block_idx[b, t, g, : len(chosen)] = chosen
     return block_idx
+
+
+def bf_top_n(score, n_sel: int) -> list:
+    """The `n_sel` best indices of the scores `score[j]` (higher first, the lower index on
+    equal scores; -inf and NaN never), ascending (spec step 6's ranking)."""
+    eligible = [j for j in range(len(score)) if score[j] > -math.inf]
+    return sorted(sorted(eligible, key=lambda j: (-score[j], j))[:n_sel])
 
 
 def bf_selected_attention(q, k, v, block_idx, block_size: int, scale=None) -> np.ndarray:

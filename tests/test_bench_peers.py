@@ -103,7 +103,7 @@ def test_fsa_checkout_that_triton_3_6_cannot_compile_is_named(tmp_path, monkeypa
     (before its kernels compile and fail); the line written as a pointer, an older Triton or
     no checkout pass."""
     tuple_line = _fsa_checkout(tmp_path / "tuple", fsa.TUPLE_POINTER)
-    fixed = _fsa_checkout(tmp_path / "fixed", "lse_ptrs = lse_ptr + pid_q_j * stride_lse_n")
+    fixed = _fsa_checkout(tmp_path / "fixed", fsa.POINTER)
     why = fsa.triton_incompatibility(str(tuple_line), "3.6.0")
     assert f"{fsa.KERNEL_FILE}:2" in why and "Triton 3.6.0" in why
     assert "`lse_ptrs = lse_ptr + pid_q_j * stride_lse_n`" in why

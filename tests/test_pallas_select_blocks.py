@@ -234,18 +234,6 @@ def test_top_n_methods_agree(topn, head_sum_dot):
     np.testing.assert_array_equal(got, expected)
 
 
-def _top_n_brute_force(score, n_sel):
-    """Each row's n_sel best (higher score first, the lower index on equal scores; -inf and NaN
-    never), ascending, -1 padded."""
-    out = np.full(score.shape[:-1] + (n_sel,), -1, np.int32)
-    for row in np.ndindex(score.shape[:-1]):
-        values = score[row]
-        eligible = [j for j in range(len(values)) if values[j] > -np.inf]
-        best = sorted(eligible, key=lambda j: (-values[j], j))[:n_sel]
-        out[row][:len(best)] = sorted(best)
-    return out
-
-
 def top_n_cases(n_cols, n_sel):
     """Scores with many equal values, forced (+inf) and ineligible (-inf, NaN) blocks, and rows
     with fewer eligible blocks than n_sel (row 4: three, two of them tied; row 5: all forced)."""
@@ -263,7 +251,11 @@ def top_n_cases(n_cols, n_sel):
 
 
 def check_top_n(got, score, n_sel):
-    np.testing.assert_array_equal(np.asarray(got), _top_n_brute_force(score, n_sel))
+    want = np.full(score.shape[:-1] + (n_sel,), -1, np.int32)     # -1 padded
+    for row in range(score.shape[0]):
+        best = bf.bf_top_n(score[row], n_sel)
+        want[row, :len(best)] = best
+    np.testing.assert_array_equal(np.asarray(got), want)
     assert (np.asarray(got)[4] == [2, 7, 11] + [-1] * (n_sel - 3)).all()
 
 

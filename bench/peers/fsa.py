@@ -69,6 +69,7 @@ def notes(cfg) -> str:
 # The line of FSA's selected-attention kernels that Triton 3.6 does not compile (docstring).
 KERNEL_FILE = "fsa/ops/FSA_topk_sparse_attention.py"
 TUPLE_POINTER = "lse_ptrs = (lse_ptr + pid_q_j * stride_lse_n,)"
+POINTER = "lse_ptrs = lse_ptr + pid_q_j * stride_lse_n"     # the line as it is meant
 
 
 def triton_incompatibility(path: Optional[str], triton_version: str) -> Optional[str]:
@@ -82,9 +83,8 @@ def triton_incompatibility(path: Optional[str], triton_version: str) -> Optional
         for number, line in enumerate(f, 1):
             if line.strip() == TUPLE_POINTER:
                 return (f"{KERNEL_FILE}:{number} wraps a pointer in a 1-tuple, which Triton "
-                        f"{triton_version} does not compile; write it as "
-                        f"`{TUPLE_POINTER.replace('(', '', 1).replace(',)', '')}` in the "
-                        f"checkout")
+                        f"{triton_version} does not compile; write it as `{POINTER}` in "
+                        f"the checkout")
     return None
 
 
