@@ -549,9 +549,24 @@ def ours_prefill(args, cfg, name: str, S: int) -> list[dict]:
     core, label = bench_prefill.nsa_jax_core(cfg, args.backend)
     base = base_record(args, name, "ours", cfg, S, impl=label)
     make = bench_prefill.nsa_jax_inputs(cfg, timed, S, shared_kv=True)
-    return bench_prefill._jax_time_passes(core, make, timed, base,
-                                          passes=tuple(p for p in PREFILL_PASSES
-                                                       if p in args.passes))
+    passes = tuple(p for p in PREFILL_PASSES if p in args.passes)
+    records = bench_prefill._jax_time_passes(core, make, timed, base, passes=passes)
+    # Our window branch alone, on the path the core sends it (FA-3 / cuDNN / Pallas), so that
+    # both sides can be compared with their window branches taken out.
+    import nsa_jax
+
+    def window(q, k, v):
+        return nsa_jax.sliding_window_attention(q, k, v, cfg.window, backend=args.backend)
+
+    def make_window(seed):
+        (q, *kv, _gates, _cmp), cotangent = make(seed)
+        return (q, kv[4], kv[5]), cotangent
+
+    wbase = base_record(args, name, "ours_window", cfg, S,
+                        impl=f"nsa_jax.sliding_window_attention backend={args.backend}",
+                        note="our window branch, timed alone")
+    return records + bench_prefill._jax_time_passes(window, make_window, timed, wbase,
+                                                    passes=passes)
 
 
 def decode_args(args, cfg, B: int, S: int):
@@ -660,8 +675,9 @@ def ours_passes(args, records: list[dict], name: str) -> list[str]:
 
 
 def summary_table(records: list[dict]) -> str:
-    """Per peer, pass, S and B: ours, the peer, peer / ours, the stand-in, and the same ratio
-    with the stand-in taken out of the peer's time."""
+    """Per peer, pass, S and B: ours, the peer, peer / ours, the stand-in, the same ratio with
+    the stand-in taken out of the peer's time, our window branch alone, and the ratio with both
+    sides' window branches taken out."""
     by_key: dict[tuple, dict] = {}
     for r in records:
         key = (r["peer"], r["pass"], int(r["S"]), int(r["B"]))
@@ -679,18 +695,23 @@ def summary_table(records: list[dict]) -> str:
         # Our decode figure (attention alone) serves both the eager and the graph rows.
         ours = ms("ours") if pass_name != "decode_graph" else ms_of(
             by_key.get((peer, "decode", S, B), {}).get("ours"))
-        theirs, standin = ms("peer"), ms("window_standin")
+        theirs, standin, own_window = ms("peer"), ms("window_standin"), ms("ours_window")
         speedup = theirs / ours if theirs and ours else None
         without = (theirs - standin) / ours if theirs and ours and standin is not None else None
+        neither = ((theirs - standin) / (ours - own_window)
+                   if theirs and ours and standin is not None and own_window is not None
+                   and ours > own_window else None)
         peer_r = entries.get("peer", {})
         status, note = peer_r.get("status") or "-", peer_r.get("note") or ""
         if status not in (OK, "-") and note:
             status = (note if note.startswith(status) else f"{status}: {note}")[:60]
         check = peer_r.get("check") or "-"
         rows.append([peer, pass_name, S, B, ours, theirs, speedup, standin, without,
-                     common.to_float(peer_r.get("blocks_agree")), check[:40], status])
+                     own_window, neither, common.to_float(peer_r.get("blocks_agree")),
+                     check[:40], status])
     header = ["peer", "pass", "S", "B", "ours_ms", "peer_ms", "speedup", "standin_ms",
-              "speedup_wo_standin", "blocks_agree", "check", "peer_status"]
+              "speedup_wo_standin", "ours_window_ms", "speedup_wo_windows", "blocks_agree",
+              "check", "peer_status"]
     return common.format_table(rows, header)
 
 

@@ -125,6 +125,24 @@ def test_ours_runs_the_passes_the_peer_ran():
     assert bench_peers.ours_passes(args, records, "mdy666") == []
 
 
+def test_summary_takes_each_side_s_window_out():
+    def record(row, ms, p="fwd_bwd"):
+        return {"peer": "mdy666", "row": row, "pass": p, "S": 8192, "B": 1, "status": "ok",
+                "ms": ms}
+
+    records = [record("ours", 9.0), record("ours_window", 2.0), record("peer", 10.0),
+               record("window_standin", 2.5)]
+    header, row = bench_peers.summary_table(records).splitlines()[0:3:2]
+    values = dict(zip(header.split(), row.split()))
+    assert float(values["speedup"]) == pytest.approx(10.0 / 9.0, abs=5e-3)
+    assert float(values["speedup_wo_standin"]) == pytest.approx(7.5 / 9.0, abs=5e-3)
+    assert float(values["ours_window_ms"]) == 2.0
+    assert float(values["speedup_wo_windows"]) == pytest.approx(7.5 / 7.0, abs=5e-3)
+    # Without our window's time the ratio is not given.
+    table = bench_peers.summary_table(records[:1] + records[2:])
+    assert table.splitlines()[2].split()[10] == "-"
+
+
 # ---------------------------------------------------------------------------------------------
 # Our side's configuration of each peer
 # ---------------------------------------------------------------------------------------------
@@ -304,8 +322,9 @@ def test_our_side_in_a_peer_configuration(tmp_path):
     args.S, args.decode_S, args.decode_B, args.loop_steps = [256], [256], [1], 2
     records, _ = bench_peers.run_ours_side(args, "mdy666")
     by = {(r["row"], r["pass"]): r for r in records}
-    assert set(by) == {("ours", "fwd"), ("ours", "fwd_bwd"), ("ours", "decode"),
-                       ("ours_step", "decode")}
+    assert set(by) == {("ours", "fwd"), ("ours", "fwd_bwd"), ("ours_window", "fwd"),
+                       ("ours_window", "fwd_bwd"), ("ours", "decode"), ("ours_step", "decode")}
     for r in records:
         assert r["status"] == "ok" and r["w"] == 513 and r["compress"] == "mean", r
     assert by[("ours", "decode")]["ms"] <= by[("ours_step", "decode")]["ms"]
+    assert by[("ours_window", "fwd")]["impl"].startswith("nsa_jax.sliding_window_attention")
