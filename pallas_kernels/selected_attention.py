@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (LOG2_E, LN_2, MASK, check_implementation,
                                     check_kernel_dtype, column_parts, dot, dot_parts, load_cols,
-                                    matmul_dim, next_pow2, online_softmax_finish,
+                                    load_head_rows, matmul_dim, next_pow2, online_softmax_finish,
                                     online_softmax_init, online_softmax_step, pad_axis,
                                     pallas_call, parts_width, store_cols)
 
@@ -70,6 +70,12 @@ class BlockSizes:
         the tile that selected it too (the forced initial and local blocks at least), then each
         token's other blocks (`_token_tile_plan`). The tile shrinks to the largest power of 2
         that divides T.
+      stack_tokens: with token tiles, stack the tile's tokens into one `[P * h_pad, d]` query
+        tile instead: the program walks the union of the tokens' blocks once, each block one
+        product over every row, a row masked where its token did not select the block
+        (`_fwd_stack_kernel`). Fewer block loads and full-height products, at the cost of
+        products for rows that mask the block out (the union over P tokens against each token's
+        n_sel); pays where neighbouring queries share most blocks.
     """
     dkv_rows: int = 64
     dkv_chunk: int | None = None
@@ -85,6 +91,7 @@ class BlockSizes:
     split_dk: bool = True
     tokens_fwd: int = 1
     tokens_dq: int = 1
+    stack_tokens: bool = False
 
     def __post_init__(self):
         if self.dkv_rows < 16 or self.dkv_rows & (self.dkv_rows - 1):
@@ -93,6 +100,8 @@ class BlockSizes:
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
                 raise ValueError(f"{name} ({n!r}) must be a power of 2 >= 1")
+        if not isinstance(self.stack_tokens, bool):
+            raise ValueError(f"stack_tokens ({self.stack_tokens!r}) must be a bool")
         if self.dkv_chunk is not None and self.dkv_chunk < 1:
             raise ValueError(f"dkv_chunk ({self.dkv_chunk}) must be positive")
 
@@ -370,6 +379,95 @@ def _dq_tile_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq
                 dq_ref[p, :, pl.ds(o, w)] = value
 
 
+# Stacked token tiles (BlockSizes.stack_tokens): the P tokens' query rows form one
+# `[P * h_pad, d]` tile (row r: token r // h_pad, head r % h_pad); the program visits the union
+# of the tokens' blocks (`_tile_union`, built by XLA: ascending, each block once, -1 padded), and
+# a block enters row r's softmax `count` times, count being how often row r's token lists it
+# (0: masked; a repeat counts again, as in the reference): a score bias of log2(count).
+
+def _row_bias(idx, j, row_token):
+    """[R] float32: log2 of how often each row's token lists block j, MASK where it does not.
+    idx: the tokens' block lists, each [n]; row_token [R]: each row's token."""
+    count = jnp.zeros(row_token.shape, jnp.int32)
+    for p, row in enumerate(idx):
+        count = jnp.where(row_token == p, jnp.sum(_one(row == j)), count)
+    return jnp.where(count > 0, jnp.log2(jnp.maximum(count, 1).astype(jnp.float32)), MASK)
+
+
+def _stack_visit(k_ref, v_ref, idx, j, t0, row_token, l_sel, tile, parts):
+    """K (its column parts) and V of union block j, the score bias [R, 1] of its rows and their
+    keep mask [R, tile] (the row's token lists it, the key is at or before the token)."""
+    start = j * l_sel
+    k = load_cols(k_ref, (pl.ds(start, tile),), parts)
+    v = v_ref[pl.ds(start, tile), :]
+    bias = _row_bias(idx, j, row_token)[:, None]
+    offset = lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+    keep = (bias > 0.5 * MASK) & (start + offset <= t0 + row_token[:, None]) & (offset < l_sel)
+    return k, v, bias, keep
+
+
+def _stack_rows(P, h_pad):
+    return lax.div(lax.broadcasted_iota(jnp.int32, (P * h_pad,), 0), jnp.int32(h_pad))
+
+
+def _fwd_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, o_ref, lse_ref, *, scale, l_sel,
+                      tile, parts):
+    """`_fwd_tile_kernel` on one stacked tile: q_ref [P, h_pad, dk_pad], idx_ref
+    [P, n_sel_pad], union_ref [P * n_sel_pad]; o_ref [P, h_pad, dv_pad], lse_ref [P, h_pad]."""
+    P, h_pad, dv = o_ref.shape
+    t0 = pl.program_id(0) * P
+    row_token = _stack_rows(P, h_pad)
+    idx = [idx_ref[p, :] for p in range(P)]
+    q = load_head_rows(q_ref, slice(None), parts)
+    scale_log2 = scale * LOG2_E
+
+    def visit(u, carry):
+        k, v, bias, keep = _stack_visit(k_ref, v_ref, idx, union_ref[u], t0, row_token, l_sel,
+                                        tile, parts)
+        s = jnp.where(keep, _scores(q, k) * scale_log2 + bias, MASK)
+        return online_softmax_step(carry, s, v, _dot)
+
+    carry = lax.fori_loop(0, _visit_bound(union_ref), visit,
+                          online_softmax_init(P * h_pad, dv))
+    o, lse_log2 = online_softmax_finish(carry)
+    o_ref[...] = o.reshape(P, h_pad, dv).astype(o_ref.dtype)
+    lse_ref[...] = (lse_log2 * LN_2).reshape(P, h_pad)
+
+
+def _dq_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                     *, scale, l_sel, tile, parts):
+    """`_dq_tile_kernel` on one stacked tile; shapes as `_fwd_stack_kernel`, with do_ref
+    [P, h_pad, dv_pad], lse_ref / delta_ref [P, h_pad]; dq_ref [P, h_pad, dk_pad]."""
+    P, h_pad = dq_ref.shape[:2]
+    R = P * h_pad
+    t0 = pl.program_id(0) * P
+    row_token = _stack_rows(P, h_pad)
+    idx = [idx_ref[p, :] for p in range(P)]
+    q = load_head_rows(q_ref, slice(None), parts)
+    do = load_head_rows(do_ref, slice(None), ((0, do_ref.shape[2]),))[0]
+    lse_log2 = lse_ref[...].reshape(R) * LOG2_E
+    delta = delta_ref[...].reshape(R)
+    scale_log2 = scale * LOG2_E
+
+    def visit(u, dq):
+        k, v, bias, keep = _stack_visit(k_ref, v_ref, idx, union_ref[u], t0, row_token, l_sel,
+                                        tile, parts)
+        s = _scores(q, k) * scale_log2 + bias
+        p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
+        dp = _dot(do, v, trans_b=True)
+        ds = (p * (dp - delta[:, None])).astype(v.dtype)
+        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+
+    dq = lax.fori_loop(0, _visit_bound(union_ref), visit,
+                       [jnp.zeros((R, w), jnp.float32) for _, w in parts])
+    for (o, w), x in zip(parts, dq):
+        value = (x * scale).astype(dq_ref.dtype).reshape(P, h_pad, w)
+        if len(parts) == 1:
+            dq_ref[...] = value
+        else:
+            dq_ref[:, :, pl.ds(o, w)] = value
+
+
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
                 delta_ref, k_ref, v_ref, dk_ref, dv_ref, *, scale, l_sel, tile, h, H, rows, parts):
     """One (work item w, KV head g, batch b): the dk, dv contribution of the queries at positions
@@ -475,23 +573,52 @@ def _token_specs(geo: _Geometry, tokens: int = 1):
     return rows, vec, kv, idx
 
 
+def _tile_union(idx, geo: _Geometry, tokens: int):
+    """The blocks each tile of `tokens` consecutive queries visits when stacked: int32
+    `[B, T / tokens, G, tokens * n_sel_pad]`, ascending, each block once, -1 padded; blocks
+    that start after the tile's last token left out. idx `[B, T, G, n_sel_pad]`, -1 padded."""
+    B, T, G, n = idx.shape
+    x = idx.reshape(B, T // tokens, tokens, G, n).transpose(0, 1, 3, 2, 4)
+    x = x.reshape(B, T // tokens, G, tokens * n)
+    last = (jnp.arange(T // tokens, dtype=jnp.int32) * tokens + tokens - 1)[None, :, None, None]
+    big = jnp.iinfo(jnp.int32).max
+    x = jnp.sort(jnp.where((x >= 0) & (x * geo.l_sel <= last), x, big), axis=-1)
+    repeat = jnp.concatenate([jnp.zeros_like(x[..., :1], bool), x[..., 1:] == x[..., :-1]], -1)
+    x = jnp.sort(jnp.where(repeat, big, x), axis=-1)
+    return jnp.where(x == big, -1, x)
+
+
+def _tile_inputs(idx, geo: _Geometry, tokens: int, stack: bool, kernels: tuple):
+    """(kernel, extra inputs, their specs) of a forward / dq launch: the per-token kernel, the
+    token-tile kernel or the stacked one (with its union list)."""
+    if tokens == 1:
+        return kernels[0], [], []
+    if not stack:
+        return kernels[1], [], []
+    spec = pl.BlockSpec((None, None, None, tokens * geo.n_sel_pad),
+                        lambda t, g, b: (b, t, g, 0))
+    return kernels[2], [_tile_union(idx, geo, tokens)], [spec]
+
+
 def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpret, debug):
     qg = _group_rows(q, geo, geo.dk_pad)
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     tokens = _token_tile(geo, bs.tokens_fwd)
     rows, vec, kv, idx_spec = _token_specs(geo, tokens)
-    kernel = functools.partial(_fwd_kernel if tokens == 1 else _fwd_tile_kernel, scale=scale,
-                               l_sel=geo.l_sel, tile=geo.tile, parts=geo.dk_parts)
+    kernel, extra, extra_specs = _tile_inputs(
+        idx, geo, tokens, bs.stack_tokens, (_fwd_kernel, _fwd_tile_kernel, _fwd_stack_kernel))
+    kernel = functools.partial(kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+                               parts=geo.dk_parts)
     o, lse = pallas_call(
         kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
         num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
         grid=(geo.T // tokens, geo.G, geo.B),
-        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec],
+        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, *extra_specs],
         out_specs=[rows(geo.dv_pad), vec],
         out_shape=[jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dv_pad), q.dtype),
                    jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad), jnp.float32)],
-    )(qg, kp, vp, idx)
+    )(qg, kp, vp, idx, *extra)
     o = o[:, :, :, :geo.h, :geo.d_v].reshape(geo.B, geo.T, geo.H, geo.d_v)
     lse = lse[..., :geo.h].reshape(geo.B, geo.T, geo.H)
     return o, lse
@@ -505,17 +632,19 @@ def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, 
     per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
     tokens = _token_tile(geo, bs.tokens_dq)
     rows, vec, kv, idx_spec = _token_specs(geo, tokens)
-    kernel = functools.partial(_dq_kernel if tokens == 1 else _dq_tile_kernel, scale=scale,
-                               l_sel=geo.l_sel, tile=geo.tile, parts=geo.dk_parts)
+    kernel, extra, extra_specs = _tile_inputs(
+        idx, geo, tokens, bs.stack_tokens, (_dq_kernel, _dq_tile_kernel, _dq_stack_kernel))
+    kernel = functools.partial(kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+                               parts=geo.dk_parts)
     dq = pallas_call(
         kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
         num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
         grid=(geo.T // tokens, geo.G, geo.B),
-        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, rows(geo.dv_pad),
-                  vec, vec],
+        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, *extra_specs,
+                  rows(geo.dv_pad), vec, vec],
         out_specs=rows(geo.dk_pad),
         out_shape=jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dk_pad), q.dtype),
-    )(qg, kp, vp, idx, dog, per_row(lse), per_row(delta))
+    )(qg, kp, vp, idx, *extra, dog, per_row(lse), per_row(delta))
     return dq[:, :, :, :geo.h, :geo.d_k].reshape(geo.B, geo.T, geo.H, geo.d_k)
 
 

@@ -210,18 +210,22 @@ def test_dk_split_into_two_parts(d_k, split):
                             block_sizes=BlockSizes(dkv_chunk=7, split_dk=split))
 
 
-# Token tiles: a forward / dq program of 2-8 tokens, shared blocks loaded once.
-@pytest.mark.parametrize("tokens_fwd,tokens_dq,d_k,dtype", [
-    pytest.param(8, 4, 16, jnp.float32, marks=pytest.mark.slow), (2, 8, 48, jnp.float32),
-    pytest.param(4, 4, 16, jnp.bfloat16, marks=pytest.mark.slow)])
-def test_token_tiles_against_reference(tokens_fwd, tokens_dq, d_k, dtype):
+# Token tiles: a forward / dq program of 2-8 tokens, shared blocks loaded once (stack False),
+# or the tokens' rows stacked over the union of their blocks (stack True).
+@pytest.mark.parametrize("tokens_fwd,tokens_dq,d_k,dtype,stack", [
+    pytest.param(8, 4, 16, jnp.float32, False, marks=pytest.mark.slow),
+    (2, 8, 48, jnp.float32, False),
+    pytest.param(4, 4, 16, jnp.bfloat16, False, marks=pytest.mark.slow),
+    (4, 2, 48, jnp.float32, True),
+    pytest.param(8, 8, 16, jnp.bfloat16, True, marks=pytest.mark.slow)])
+def test_token_tiles_against_reference(tokens_fwd, tokens_dq, d_k, dtype, stack):
     """T = 60 (a partial last block; tiles of 4 divide it, and a tile of 8 shrinks to 4), h = 4,
     random spec-form block lists of 4 among 8 blocks of 8 tokens: the forced initial and local
     blocks are shared inside a tile, the fourth block is mostly a token's own; d_k 48 is split
     into 32 + 16."""
     inputs = make_inputs(30 + tokens_fwd, 2, 60, 8, 2, d_k, 8, 4, 8, dtype)
     check_against_reference(*inputs, 8, interpret=True, block_sizes=BlockSizes(
-        dkv_chunk=7, tokens_fwd=tokens_fwd, tokens_dq=tokens_dq))
+        dkv_chunk=7, tokens_fwd=tokens_fwd, tokens_dq=tokens_dq, stack_tokens=stack))
 
 
 def test_token_tiles_with_repeats_gaps_and_late_blocks():
@@ -237,13 +241,37 @@ def test_token_tiles_with_repeats_gaps_and_late_blocks():
     idx[:, 8:12, 0, :] = [0, 2, -1, 1, 1, 0]            # one list for a whole tile, with repeats
     idx[:, 12:16, 1, :] = [[3, 1, 0, -1, 0, 9], [1, -1, -1, 3, 3, 0], [0, 1, 1, 1, 2, 2],
                            [-1, -1, -1, -1, -1, -1]]
-    for tokens in (4, 8):
+    for tokens, stack in ((4, False), (8, False), (4, True), (2, True)):
         check_against_reference(q, k, v, jnp.asarray(idx), cotangent, l_sel, interpret=True,
                                 block_sizes=BlockSizes(dkv_chunk=5, tokens_fwd=tokens,
-                                                       tokens_dq=tokens))
+                                                       tokens_dq=tokens, stack_tokens=stack))
+
+
+def test_stacked_tile_union():
+    """The union list of a stacked tile: ascending, each block once, -1 and blocks past the
+    tile's last token left out, -1 padded; against Python sets."""
+    from pallas_kernels.selected_attention import _Geometry, _tile_union
+
+    B, T, G, n, l_sel, tokens = 2, 32, 3, 4, 4, 4
+    rng = np.random.default_rng(3)
+    idx = rng.integers(-1, 10, size=(B, T, G, n)).astype(np.int32)
+    geo = _Geometry(B=B, T=T, H=G, G=G, d_k=16, d_v=16, n_sel=n, l_sel=l_sel)
+    union = np.asarray(_tile_union(jnp.asarray(idx), geo, tokens))
+    assert union.shape == (B, T // tokens, G, tokens * n)
+    for b in range(B):
+        for i in range(T // tokens):
+            last = i * tokens + tokens - 1
+            for g in range(G):
+                want = sorted({int(j) for j in idx[b, i * tokens:last + 1, g].ravel()
+                               if 0 <= j and j * l_sel <= last})
+                got = union[b, i, g]
+                assert list(got[:len(want)]) == want and (got[len(want):] == -1).all()
 
 
 def test_token_tile_sizes_are_checked():
+    for bad in (0, 1, "yes"):
+        with pytest.raises(ValueError, match="stack_tokens"):
+            BlockSizes(stack_tokens=bad)
     for bad in (0, 3, -2, True, 2.0):
         with pytest.raises(ValueError, match="tokens_fwd"):
             BlockSizes(tokens_fwd=bad)
@@ -327,12 +355,16 @@ def test_gpu_against_reference(dtype, h, d_k, d_v, T):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("tokens,d_k,T", [(4, 128, 1024), (8, 192, 1000), (2, 128, 768)])
-def test_gpu_token_tiles_against_reference(tokens, d_k, T):
-    """Token tiles compiled (T 1000: a tile of 8 shrinks to 8, the last block partial)."""
+@pytest.mark.parametrize("tokens,d_k,T,stack,warps", [
+    (4, 128, 1024, False, 4), (8, 192, 1000, False, 4), (2, 128, 768, False, 4),
+    (2, 128, 768, True, 4), (4, 128, 1024, True, 8), (8, 192, 1000, True, 8)])
+def test_gpu_token_tiles_against_reference(tokens, d_k, T, stack, warps):
+    """Token tiles compiled, loaded once or stacked (T 1000: a tile of 8 shrinks to 8, the last
+    block partial)."""
     inputs = make_inputs(9, 1, T, 64, 4, d_k, 128, 16, 64, jnp.bfloat16)
     check_against_reference(*inputs, 64, interpret=False, block_sizes=BlockSizes(
-        dkv_chunk=256, tokens_fwd=tokens, tokens_dq=tokens, num_warps_fwd=4, num_warps_dq=4))
+        dkv_chunk=256, tokens_fwd=tokens, tokens_dq=tokens, num_warps_fwd=warps,
+        num_warps_dq=warps, stack_tokens=stack))
 
 
 @gpu
