@@ -26,7 +26,8 @@ Per peer and S, in this order:
 2. Prefill times, through the harness of bench/common.py as bench_prefill.py uses it: the
    peer's fwd and fwd_bwd (CUDA events around each call); the stand-in of its window branch
    alone where that branch needs the flash-attn package (row window_standin: subtract it to
-   see the peer with a free window); ours (bench_prefill's core rows, shared k / v).
+   see the peer with a free window); ours (bench_prefill's core rows, shared k / v) and our
+   window branch alone (row ours_window, for the comparison with both windows taken out).
 3. Decode at each --decode_B and --decode_S_list (default: --S_list) where the peer has one:
    the check on min(B, 2) sequences (the peer's step for the query at S - 1 against our
    core's output there: own and shared as above, output only), then the peer's step eager
@@ -42,7 +43,8 @@ checkout, an import error) is skipped with its reason, and so is our side of it.
 Outputs in --out: peers.csv (one row per peer, side, pass, S, B), peers_check.csv, the
 environment, and peers_summary.txt with the table printed last: per peer, pass, S and B, our
 time, the peer's, speedup = peer / ours (ours is that many times faster), the stand-in's time
-and the speedup with it taken out of the peer's.
+and the speedup with it taken out of the peer's, our window's time and the speedup with both
+window branches taken out.
 
 GPU:  python bench/bench_peers.py --peer-path mdy666=.peers/mdy666 --peer-path fsa=.peers/fsa \\
           --S_list 8k,16k,32k,64k,128k --out artifacts/peers

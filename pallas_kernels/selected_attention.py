@@ -75,7 +75,8 @@ class BlockSizes:
         product over every row, a row masked where its token did not select the block
         (`_fwd_stack_kernel`). Fewer block loads and full-height products, at the cost of
         products for rows that mask the block out (the union over P tokens against each token's
-        n_sel); pays where neighbouring queries share most blocks.
+        n_sel). Opt-in: faster only where neighbouring queries share most blocks, at P 4 on 4
+        warps (bench/RESULTS.md, Selection workloads).
     """
     dkv_rows: int = 64
     dkv_chunk: int | None = None

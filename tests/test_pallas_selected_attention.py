@@ -357,7 +357,8 @@ def test_gpu_against_reference(dtype, h, d_k, d_v, T):
 @needs_gpu
 @pytest.mark.parametrize("tokens,d_k,T,stack,warps", [
     (4, 128, 1024, False, 4), (8, 192, 1000, False, 4), (2, 128, 768, False, 4),
-    (2, 128, 768, True, 4), (4, 128, 1024, True, 8), (8, 192, 1000, True, 8)])
+    (2, 128, 768, True, 4), (4, 128, 1024, True, 4), (4, 128, 1024, True, 8),
+    (8, 192, 1000, True, 8)])
 def test_gpu_token_tiles_against_reference(tokens, d_k, T, stack, warps):
     """Token tiles compiled, loaded once or stacked (T 1000: a tile of 8 shrinks to 8, the last
     block partial)."""
