@@ -328,6 +328,28 @@ def test_token_tiles_chosen_by_overlap():
                 assert rel_err(a, b) <= (1e-5 if name == "o" else 1e-4), (threshold, name)
 
 
+def test_stacked_tiles_through_the_public_call():
+    """The stacked tiles as docs/API.md gives them to a user (`PallasOptions.selected_blocks`
+    through `nsa_jax.selected_attention`), forward and gradients against the reference."""
+    import nsa_jax
+    from nsa_jax import PallasOptions
+
+    l_sel = 8
+    q, k, v, block_idx, cotangent = make_inputs(53, 1, 48, 8, 2, 16, 8, 4, l_sel, jnp.float32)
+    options = {"pallas": PallasOptions(selected_blocks=BlockSizes(
+        tokens_fwd=4, tokens_dq=4, stack_tokens=True, num_warps_fwd=4, num_warps_dq=4))}
+
+    def run(fn, *xs):
+        out, pullback = jax.vjp(fn, *xs)
+        return (out, *pullback(cotangent.astype(out.dtype)))
+
+    got = run(lambda q, k, v: nsa_jax.selected_attention(
+        q, k, v, block_idx, l_sel, backend="pallas", options=options), q, k, v)
+    want = run(lambda q, k, v: selected_attention_reference(q, k, v, block_idx, l_sel), q, k, v)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        assert rel_err(a, b) <= (1e-5 if name == "o" else 1e-4), name
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
 def test_token_tile_overlap_is_checked(bad):
     from nsa_jax import PallasOptions
