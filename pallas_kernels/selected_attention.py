@@ -408,6 +408,7 @@ def _stack_visit(k_ref, v_ref, idx, j, t0, row_token, l_sel, tile, parts):
 
 
 def _stack_rows(P, h_pad):
+    """[P * h_pad] int32: the token of each row of a stacked tile."""
     return lax.div(lax.broadcasted_iota(jnp.int32, (P * h_pad,), 0), jnp.int32(h_pad))
 
 
@@ -461,12 +462,12 @@ def _dq_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, do_ref, lse_ref, d
 
     dq = lax.fori_loop(0, _visit_bound(union_ref), visit,
                        [jnp.zeros((R, w), jnp.float32) for _, w in parts])
-    for (o, w), x in zip(parts, dq):
-        value = (x * scale).astype(dq_ref.dtype).reshape(P, h_pad, w)
+    for (offset, width), x in zip(parts, dq):
+        value = (x * scale).astype(dq_ref.dtype).reshape(P, h_pad, width)
         if len(parts) == 1:
             dq_ref[...] = value
         else:
-            dq_ref[:, :, pl.ds(o, w)] = value
+            dq_ref[:, :, pl.ds(offset, width)] = value
 
 
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
