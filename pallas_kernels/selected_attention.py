@@ -7,7 +7,9 @@ Forward (group-centric, as in the paper): one program per (token, KV head, batch
 `h` query heads of its group, `[h, d_k]` padded to the 16 rows a matrix-unit product needs, walks
 the token's `n_sel` selected blocks read from `block_idx`, loads each `[l_sel, d]` K/V block by a
 dynamic slice, cuts the keys `> t`, and keeps an online softmax in float32. It writes `o` and the
-natural log-sum-exp `lse [B, T, H]`.
+natural log-sum-exp `lse [B, T, H]`. A program can instead take a tile of consecutive tokens
+(`BlockSizes.tokens_fwd` / `tokens_dq`): loading the blocks they share once, or, with
+`stack_tokens`, stacking their rows over the union of their blocks.
 
 Backward: `dq` mirrors the forward (p recomputed from lse, `delta = rowsum(o * do)` from XLA).
 `dk, dv` are deterministic, without atomics: XLA inverts `block_idx` into, per (batch, KV head),
