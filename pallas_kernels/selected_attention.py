@@ -105,6 +105,9 @@ class BlockSizes:
                 raise ValueError(f"{name} ({n!r}) must be a power of 2 >= 1")
         if not isinstance(self.stack_tokens, bool):
             raise ValueError(f"stack_tokens ({self.stack_tokens!r}) must be a bool")
+        if self.stack_tokens and self.tokens_fwd == self.tokens_dq == 1:
+            raise ValueError("stack_tokens stacks the tokens of a tile: it needs tokens_fwd or "
+                             "tokens_dq > 1 (both are 1)")
         if self.dkv_chunk is not None and self.dkv_chunk < 1:
             raise ValueError(f"dkv_chunk ({self.dkv_chunk}) must be positive")
 

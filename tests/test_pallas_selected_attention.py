@@ -271,7 +271,9 @@ def test_stacked_tile_union():
 def test_token_tile_sizes_are_checked():
     for bad in (0, 1, "yes"):
         with pytest.raises(ValueError, match="stack_tokens"):
-            BlockSizes(stack_tokens=bad)
+            BlockSizes(tokens_fwd=2, stack_tokens=bad)
+    with pytest.raises(ValueError, match="tokens_fwd or tokens_dq > 1"):
+        BlockSizes(stack_tokens=True)
     for bad in (0, 3, -2, True, 2.0):
         with pytest.raises(ValueError, match="tokens_fwd"):
             BlockSizes(tokens_fwd=bad)
