@@ -128,13 +128,18 @@ def store_head_rows(ref, values: list, parts: tuple) -> None:
         ref[:, :, pl.ds(offset, width)] = value.reshape(q_tile, h_pad, width).astype(ref.dtype)
 
 
-def store_cols(ref, values: list, parts: tuple) -> None:
-    """ref[:, part] = value for each column part of a 2-D ref (`values` as `load_cols` gives)."""
+def store_cols(ref, values: list, parts: tuple, index: tuple = ()) -> None:
+    """ref[index + (part,)] = value for each column part (`values` as `load_cols` gives; index:
+    the leading indexers; empty: every row of a 2-D ref)."""
     if len(parts) == 1:
-        ref[...] = values[0]
+        if index:
+            ref[index + (slice(None),)] = values[0]
+        else:
+            ref[...] = values[0]
         return
+    index = index or (slice(None),)
     for (o, w), value in zip(parts, values):
-        ref[:, pl.ds(o, w)] = value
+        ref[index + (pl.ds(o, w),)] = value
 
 
 def dot_parts(a_parts: list, b_parts: list, dot_fn=None):

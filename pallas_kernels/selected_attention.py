@@ -177,6 +177,15 @@ def _scores(a_parts, b_parts):
     return dot_parts(a_parts, b_parts, _dot)
 
 
+def _dq_update(dq, s, keep, lse_log2, delta, do, k, v):
+    """dq (its column parts, float32) + this block's `ds @ k`: s the scores `[rows, tile]` in
+    the log2 domain, keep their mask, lse_log2 / delta `[rows]`, do `[rows, dv_pad]`."""
+    p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
+    dp = _dot(do, v, trans_b=True)
+    ds = (p * (dp - delta[:, None])).astype(v.dtype)
+    return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+
+
 def _visit_bound(idx_ref):
     """1 + the last slot holding a block (>= 0): trailing -1 padding is never visited."""
     idx = idx_ref[...]
@@ -235,11 +244,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref,
 
     def visit(slot, dq):
         k, v, keep = _load_block(k_ref, v_ref, idx_ref[slot], t, l_sel, tile, parts)
-        s = _scores(q, k) * scale_log2
-        p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
-        dp = _dot(do, v, trans_b=True)
-        ds = (p * (dp - delta[:, None])).astype(v.dtype)
-        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+        return _dq_update(dq, _scores(q, k) * scale_log2, keep, lse_log2, delta, do, k, v)
 
     dq = lax.fori_loop(0, _visit_bound(idx_ref), visit,
                        [jnp.zeros((rows, w), jnp.float32) for _, w in parts])
@@ -368,21 +373,14 @@ def _dq_tile_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq
     scale_log2 = scale * LOG2_E
 
     def step(dq, p, k, v, keep):
-        s = _scores(q[p], k) * scale_log2
-        prob = jnp.where(keep, jnp.exp2(s - lse_log2[p][:, None]), 0.0)
-        dp = _dot(do[p], v, trans_b=True)
-        ds = (prob * (dp - delta[p][:, None])).astype(v.dtype)
-        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+        return _dq_update(dq, _scores(q[p], k) * scale_log2, keep, lse_log2[p], delta[p], do[p],
+                          k, v)
 
     dqs = _tile_visits(idx, ts, l_sel, tile, k_ref, v_ref, parts, step,
                        [[jnp.zeros((rows, w), jnp.float32) for _, w in parts] for _ in range(P)])
     for p, dq in enumerate(dqs):
-        values = [(x * scale).astype(dq_ref.dtype) for x in dq]
-        if len(parts) == 1:
-            dq_ref[p, :, :] = values[0]
-        else:
-            for (o, w), value in zip(parts, values):
-                dq_ref[p, :, pl.ds(o, w)] = value
+        store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype) for x in dq], parts,
+                   (p, slice(None)))
 
 
 # Stacked token tiles (BlockSizes.stack_tokens): the P tokens' query rows form one
@@ -459,20 +457,13 @@ def _dq_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, do_ref, lse_ref, d
     def visit(u, dq):
         k, v, bias, keep = _stack_visit(k_ref, v_ref, idx, union_ref[u], t0, row_token, l_sel,
                                         tile, parts)
-        s = _scores(q, k) * scale_log2 + bias
-        p = jnp.where(keep, jnp.exp2(s - lse_log2[:, None]), 0.0)
-        dp = _dot(do, v, trans_b=True)
-        ds = (p * (dp - delta[:, None])).astype(v.dtype)
-        return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
+        return _dq_update(dq, _scores(q, k) * scale_log2 + bias, keep, lse_log2, delta, do, k,
+                          v)
 
     dq = lax.fori_loop(0, _visit_bound(union_ref), visit,
                        [jnp.zeros((R, w), jnp.float32) for _, w in parts])
-    for (offset, width), x in zip(parts, dq):
-        value = (x * scale).astype(dq_ref.dtype).reshape(P, h_pad, width)
-        if len(parts) == 1:
-            dq_ref[...] = value
-        else:
-            dq_ref[:, :, pl.ds(offset, width)] = value
+    store_cols(dq_ref, [(x * scale).astype(dq_ref.dtype).reshape(P, h_pad, w)
+                        for x, (_, w) in zip(dq, parts)], parts, (slice(None), slice(None)))
 
 
 def _dkv_kernel(item_block_ref, item_lo_ref, item_hi_ref, qlist_ref, q_ref, do_ref, lse_ref,
