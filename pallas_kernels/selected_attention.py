@@ -79,6 +79,14 @@ class BlockSizes:
         products for rows that mask the block out (the union over P tokens against each token's
         n_sel). Opt-in: faster only where neighbouring queries share most blocks, at P 4 on 4
         warps (bench/RESULTS.md, Selection workloads).
+      stack_max_union: with stack_tokens, a tile whose union holds more than this many blocks
+        runs on the per-token kernel instead: each forward / dq pass launches the per-token
+        kernel (on `num_warps_fwd` / `num_warps_dq`), whose programs skip the stacked tiles'
+        tokens, then the stacked kernel (on `num_warps_stack`), whose programs skip the other
+        tiles and write into the same output. The choice is per tile and on the GPU (no host
+        round trip); the union sizes come from the same XLA pass as the union lists. None: every
+        tile stacked.
+      num_warps_stack: the warps of the stacked kernels; None: `num_warps_fwd` / `num_warps_dq`.
     """
     dkv_rows: int = 64
     dkv_chunk: int | None = None
@@ -95,6 +103,8 @@ class BlockSizes:
     tokens_fwd: int = 1
     tokens_dq: int = 1
     stack_tokens: bool = False
+    stack_max_union: int | None = None
+    num_warps_stack: int | None = None
 
     def __post_init__(self):
         if self.dkv_rows < 16 or self.dkv_rows & (self.dkv_rows - 1):
@@ -108,6 +118,15 @@ class BlockSizes:
         if self.stack_tokens and self.tokens_fwd == self.tokens_dq == 1:
             raise ValueError("stack_tokens stacks the tokens of a tile: it needs tokens_fwd or "
                              "tokens_dq > 1 (both are 1)")
+        for name in ("stack_max_union", "num_warps_stack"):
+            n = getattr(self, name)
+            if n is None:
+                continue
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"{name} ({n!r}) must be None or a positive int")
+            if not self.stack_tokens:
+                raise ValueError(f"{name} ({n}) applies to stacked tiles: it needs "
+                                 "stack_tokens=True")
         if self.dkv_chunk is not None and self.dkv_chunk < 1:
             raise ValueError(f"dkv_chunk ({self.dkv_chunk}) must be positive")
 
@@ -186,6 +205,12 @@ def _dq_update(dq, s, keep, lse_log2, delta, do, k, v):
     return [acc + _dot(ds, k_part) for acc, k_part in zip(dq, k)]
 
 
+def _program(program):
+    """The program's index along the token axis: `program` where the caller read it (the split
+    launch reads it outside its `pl.when`, which interpret mode needs), else the grid's."""
+    return pl.program_id(0) if program is None else program
+
+
 def _visit_bound(idx_ref):
     """1 + the last slot holding a block (>= 0): trailing -1 padding is never visited."""
     idx = idx_ref[...]
@@ -208,11 +233,12 @@ def _load_block(k_ref, v_ref, j, t, l_sel, tile, parts):
     return k, v, keep
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile, parts):
+def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, tile, parts,
+                program=None):
     """One (token t, KV head g, batch b). q_ref [h_pad, dk_pad], k_ref [T_pad, dk_pad],
     v_ref [T_pad, dv_pad], idx_ref [n_sel_pad]; o_ref [h_pad, dv_pad], lse_ref [h_pad].
     parts: the (offset, width) column parts of q and k (`_Geometry.dk_parts`)."""
-    t = pl.program_id(0)
+    t = _program(program)
     rows, dv = o_ref.shape
     q = load_cols(q_ref, (), parts)
     scale_log2 = scale * LOG2_E
@@ -231,10 +257,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, idx_ref, o_ref, lse_ref, *, scale, l_sel, t
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, idx_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, l_sel,
-               tile, parts):
+               tile, parts, program=None):
     """One (token t, KV head g, batch b): dq of the group's heads. Shapes as `_fwd_kernel`, with
     do_ref [h_pad, dv_pad], lse_ref / delta_ref [h_pad]; dq_ref [h_pad, dk_pad]."""
-    t = pl.program_id(0)
+    t = _program(program)
     rows = dq_ref.shape[0]
     q = load_cols(q_ref, (), parts)
     do = do_ref[...]
@@ -416,11 +442,11 @@ def _stack_rows(P, h_pad):
 
 
 def _fwd_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, o_ref, lse_ref, *, scale, l_sel,
-                      tile, parts):
+                      tile, parts, program=None):
     """`_fwd_tile_kernel` on one stacked tile: q_ref [P, h_pad, dk_pad], idx_ref
     [P, n_sel_pad], union_ref [P * n_sel_pad]; o_ref [P, h_pad, dv_pad], lse_ref [P, h_pad]."""
     P, h_pad, dv = o_ref.shape
-    t0 = pl.program_id(0) * P
+    t0 = _program(program) * P
     row_token = _stack_rows(P, h_pad)
     idx = [idx_ref[p, :] for p in range(P)]
     q = load_head_rows(q_ref, slice(None), parts)
@@ -440,12 +466,12 @@ def _fwd_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, o_ref, lse_ref, *
 
 
 def _dq_stack_kernel(q_ref, k_ref, v_ref, idx_ref, union_ref, do_ref, lse_ref, delta_ref, dq_ref,
-                     *, scale, l_sel, tile, parts):
+                     *, scale, l_sel, tile, parts, program=None):
     """`_dq_tile_kernel` on one stacked tile; shapes as `_fwd_stack_kernel`, with do_ref
     [P, h_pad, dv_pad], lse_ref / delta_ref [P, h_pad]; dq_ref [P, h_pad, dk_pad]."""
     P, h_pad = dq_ref.shape[:2]
     R = P * h_pad
-    t0 = pl.program_id(0) * P
+    t0 = _program(program) * P
     row_token = _stack_rows(P, h_pad)
     idx = [idx_ref[p, :] for p in range(P)]
     q = load_head_rows(q_ref, slice(None), parts)
@@ -586,37 +612,85 @@ def _tile_union(idx, geo: _Geometry, tokens: int):
     return jnp.where(x == big, -1, x)
 
 
-def _tile_inputs(idx, geo: _Geometry, tokens: int, stack: bool, kernels: tuple):
-    """(kernel, extra inputs, their specs) of a forward / dq launch: the per-token kernel, the
-    token-tile kernel or the stacked one (with its union list)."""
+def _split_by_union(kernel, stacked: bool, max_union: int, n_out: int, aliased: bool):
+    """`kernel` behind a leading `count_ref [1]`, its tile's union size: it runs where the tile
+    is stacked (count <= max_union) if `stacked`, else where it is not; elsewhere the program
+    writes nothing. With `aliased`, the n_out refs before the outputs (the earlier launch's
+    outputs, which this launch writes into) are dropped."""
+    def split(count_ref, *refs, **kwargs):
+        if aliased:
+            refs = refs[:-2 * n_out] + refs[-n_out:]
+        is_stacked = count_ref[0] <= max_union
+        program = pl.program_id(0)
+        pl.when(is_stacked if stacked else jnp.logical_not(is_stacked))(
+            lambda: kernel(*refs, program=program, **kwargs))
+    return split
+
+
+def _launch_tiles(kernels: tuple, *, name: str, geo: _Geometry, bs: BlockSizes, tokens: int,
+                  num_warps: int, num_stages: int, head: tuple, tail: tuple, specs: Callable,
+                  out_shape: list, interpret: bool, debug: bool, **kwargs):
+    """One forward / dq pass over tiles of `tokens` queries, grid (T / tokens, G, B).
+
+    kernels: (per-token, token tile, stacked). head: (q, k, v, idx) with idx `[B, T, G,
+    n_sel_pad]`; tail: the arrays after them. specs(tokens) -> (head specs, tail specs, out
+    specs) for tiles of that many tokens. The stacked kernel takes the tile's union list
+    between head and tail. With `bs.stack_max_union`, the per-token kernel runs first on the
+    tiles whose union exceeds it and the stacked one writes the others into its outputs."""
+    tokens = _token_tile(geo, tokens)
+
+    def launch(kernel, tokens, warps, extra=(), extra_specs=(), prior=(), pre=(), pre_specs=()):
+        head_specs, tail_specs, out_specs = specs(tokens)
+        n_in = len(pre) + len(head) + len(extra) + len(tail)
+        return pallas_call(
+            functools.partial(kernel, **kwargs), name=name, num_warps=warps,
+            num_stages=num_stages, interpret=interpret, debug=debug,
+            grid=(geo.T // tokens, geo.G, geo.B),
+            in_specs=[*pre_specs, *head_specs, *extra_specs, *tail_specs,
+                      *(out_specs if prior else ())],
+            out_specs=out_specs, out_shape=out_shape,
+            input_output_aliases={n_in + i: i for i in range(len(prior))},
+        )(*pre, *head, *extra, *tail, *prior)
+
     if tokens == 1:
-        return kernels[0], [], []
-    if not stack:
-        return kernels[1], [], []
-    spec = pl.BlockSpec((None, None, None, tokens * geo.n_sel_pad),
-                        lambda t, g, b: (b, t, g, 0))
-    return kernels[2], [_tile_union(idx, geo, tokens)], [spec]
+        return launch(kernels[0], 1, num_warps)
+    if not bs.stack_tokens:
+        return launch(kernels[1], tokens, num_warps)
+    union = _tile_union(head[3], geo, tokens)
+    union_spec = pl.BlockSpec((None, None, None, tokens * geo.n_sel_pad),
+                              lambda t, g, b: (b, t, g, 0))
+    stack_warps = bs.num_warps_stack or num_warps
+    if bs.stack_max_union is None:
+        return launch(kernels[2], tokens, stack_warps, [union], [union_spec])
+    count = jnp.sum(union >= 0, axis=-1, dtype=jnp.int32)[..., None]   # [B, T / P, G, 1]
+    P, n_out = tokens, len(out_shape)
+    count_spec = lambda P_spec: pl.BlockSpec(
+        (None, None, None, 1), lambda t, g, b: (b, lax.div(t, P_spec), g, 0))
+    split = functools.partial(_split_by_union, max_union=bs.stack_max_union, n_out=n_out)
+    per_token = launch(split(kernels[0], stacked=False, aliased=False), 1, num_warps,
+                       pre=[count], pre_specs=[count_spec(P)])
+    return launch(split(kernels[2], stacked=True, aliased=True), P, stack_warps, [union],
+                  [union_spec], prior=per_token, pre=[count], pre_specs=[count_spec(1)])
 
 
 def _forward(q, k, v, block_idx, geo: _Geometry, scale, bs: BlockSizes, interpret, debug):
     qg = _group_rows(q, geo, geo.dk_pad)
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
-    tokens = _token_tile(geo, bs.tokens_fwd)
-    rows, vec, kv, idx_spec = _token_specs(geo, tokens)
-    kernel, extra, extra_specs = _tile_inputs(
-        idx, geo, tokens, bs.stack_tokens, (_fwd_kernel, _fwd_tile_kernel, _fwd_stack_kernel))
-    kernel = functools.partial(kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
-                               parts=geo.dk_parts)
-    o, lse = pallas_call(
-        kernel, name="nsa_selected_attention_fwd", num_warps=bs.num_warps_fwd,
-        num_stages=bs.num_stages_fwd, interpret=interpret, debug=debug,
-        grid=(geo.T // tokens, geo.G, geo.B),
-        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, *extra_specs],
-        out_specs=[rows(geo.dv_pad), vec],
+
+    def specs(tokens):
+        rows, vec, kv, idx_spec = _token_specs(geo, tokens)
+        return ([rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec], [],
+                [rows(geo.dv_pad), vec])
+
+    o, lse = _launch_tiles(
+        (_fwd_kernel, _fwd_tile_kernel, _fwd_stack_kernel), name="nsa_selected_attention_fwd",
+        geo=geo, bs=bs, tokens=bs.tokens_fwd, num_warps=bs.num_warps_fwd,
+        num_stages=bs.num_stages_fwd, head=(qg, kp, vp, idx), tail=(), specs=specs,
         out_shape=[jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dv_pad), q.dtype),
                    jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad), jnp.float32)],
-    )(qg, kp, vp, idx, *extra)
+        interpret=interpret, debug=debug, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+        parts=geo.dk_parts)
     o = o[:, :, :, :geo.h, :geo.d_v].reshape(geo.B, geo.T, geo.H, geo.d_v)
     lse = lse[..., :geo.h].reshape(geo.B, geo.T, geo.H)
     return o, lse
@@ -628,21 +702,21 @@ def _backward_dq(q, k, v, block_idx, do, lse, delta, geo, scale, bs, interpret, 
     kp, vp = _padded_kv(k, v, geo)
     idx = pad_axis(block_idx.astype(jnp.int32), 3, geo.n_sel_pad, value=-1)
     per_row = lambda x: pad_axis(x.reshape(geo.B, geo.T, geo.G, geo.h), 3, geo.h_pad)
-    tokens = _token_tile(geo, bs.tokens_dq)
-    rows, vec, kv, idx_spec = _token_specs(geo, tokens)
-    kernel, extra, extra_specs = _tile_inputs(
-        idx, geo, tokens, bs.stack_tokens, (_dq_kernel, _dq_tile_kernel, _dq_stack_kernel))
-    kernel = functools.partial(kernel, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
-                               parts=geo.dk_parts)
-    dq = pallas_call(
-        kernel, name="nsa_selected_attention_dq", num_warps=bs.num_warps_dq,
-        num_stages=bs.num_stages_dq, interpret=interpret, debug=debug,
-        grid=(geo.T // tokens, geo.G, geo.B),
-        in_specs=[rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec, *extra_specs,
-                  rows(geo.dv_pad), vec, vec],
-        out_specs=rows(geo.dk_pad),
-        out_shape=jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dk_pad), q.dtype),
-    )(qg, kp, vp, idx, *extra, dog, per_row(lse), per_row(delta))
+
+    def specs(tokens):
+        rows, vec, kv, idx_spec = _token_specs(geo, tokens)
+        return ([rows(geo.dk_pad), kv(geo.dk_pad), kv(geo.dv_pad), idx_spec],
+                [rows(geo.dv_pad), vec, vec], [rows(geo.dk_pad)])
+
+    (dq,) = _launch_tiles(
+        (_dq_kernel, _dq_tile_kernel, _dq_stack_kernel), name="nsa_selected_attention_dq",
+        geo=geo, bs=bs, tokens=bs.tokens_dq, num_warps=bs.num_warps_dq,
+        num_stages=bs.num_stages_dq, head=(qg, kp, vp, idx),
+        tail=(dog, per_row(lse), per_row(delta)), specs=specs,
+        out_shape=[jax.ShapeDtypeStruct((geo.B, geo.T, geo.G, geo.h_pad, geo.dk_pad),
+                                        q.dtype)],
+        interpret=interpret, debug=debug, scale=scale, l_sel=geo.l_sel, tile=geo.tile,
+        parts=geo.dk_parts)
     return dq[:, :, :, :geo.h, :geo.d_k].reshape(geo.B, geo.T, geo.H, geo.d_k)
 
 

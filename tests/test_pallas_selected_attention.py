@@ -6,6 +6,7 @@ and skip without one. Tolerances (spec): relative L2 error, float32 <= 1e-5 outp
 gradients, bfloat16 / float16 <= 1e-2, against a float32 reference on the same (rounded) inputs.
 """
 import functools
+import importlib
 
 import numpy as np
 import pytest
@@ -268,12 +269,56 @@ def test_stacked_tile_union():
                 assert list(got[:len(want)]) == want and (got[len(want):] == -1).all()
 
 
+def test_stacked_tiles_split_by_union_size(monkeypatch):
+    """`stack_max_union`: the tiles whose union holds at most that many blocks are written by
+    the stacked kernel, the others by the per-token kernel (both replaced by kernels that write
+    their own mark, forward and dq); and the split against the reference, forward and
+    gradients, on tiles of 4 (dq: 2) whose union sizes span the threshold."""
+    sa = importlib.import_module("pallas_kernels.selected_attention")  # the module, not the call
+    B, T, H, G, d, n_sel, l_sel, P = 2, 60, 8, 2, 48, 4, 8, 4
+    inputs = make_inputs(34, B, T, H, G, d, 8, n_sel, l_sel, jnp.float32)
+    q, k, v, idx, do = inputs
+    geo = sa._Geometry(B=B, T=T, H=H, G=G, d_k=d, d_v=8, n_sel=n_sel, l_sel=l_sel)
+    count = (np.asarray(sa._tile_union(jnp.asarray(idx), geo, P)) >= 0).sum(-1)  # [B, T/P, G]
+    max_union = int(np.median(count))
+    assert (count <= max_union).any() and (count > max_union).any()
+    check_against_reference(*inputs, l_sel, interpret=True, block_sizes=BlockSizes(
+        dkv_chunk=7, tokens_fwd=P, tokens_dq=2, stack_tokens=True, stack_max_union=max_union))
+
+    def marking(mark, n_in):
+        def kernel(*refs, program=None, **kwargs):
+            for ref in refs[n_in:]:
+                ref[...] = jnp.full(ref.shape, mark, ref.dtype)
+        return kernel
+
+    for name, n_in in (("_fwd_kernel", 4), ("_dq_kernel", 7)):
+        monkeypatch.setattr(sa, name, marking(1.0, n_in))
+    for name, n_in in (("_fwd_stack_kernel", 5), ("_dq_stack_kernel", 8)):
+        monkeypatch.setattr(sa, name, marking(2.0, n_in))
+    bs = BlockSizes(tokens_fwd=P, tokens_dq=P, stack_tokens=True, stack_max_union=max_union,
+                    num_warps_stack=4)
+    stages = sa.selected_attention_stages(q, k, v, idx, l_sel, block_sizes=bs, interpret=True)
+    o, lse = stages.forward(q, k, v)
+    dq = stages.backward_dq(q, k, v, do, lse, jnp.zeros(lse.shape, jnp.float32))
+    want = np.where(np.repeat(count <= max_union, P, axis=1), 2.0, 1.0)     # [B, T, G]
+    for name, x in (("o", o), ("lse", lse), ("dq", dq)):
+        got = np.asarray(x, np.float32).reshape(B, T, G, -1)
+        np.testing.assert_array_equal(got, np.broadcast_to(want[..., None], got.shape),
+                                      err_msg=name)
+
+
 def test_token_tile_sizes_are_checked():
     for bad in (0, 1, "yes"):
         with pytest.raises(ValueError, match="stack_tokens"):
             BlockSizes(tokens_fwd=2, stack_tokens=bad)
     with pytest.raises(ValueError, match="tokens_fwd or tokens_dq > 1"):
         BlockSizes(stack_tokens=True)
+    for name in ("stack_max_union", "num_warps_stack"):
+        with pytest.raises(ValueError, match=f"{name} .* needs stack_tokens=True"):
+            BlockSizes(tokens_fwd=4, **{name: 8})
+        for bad in (0, -1, True, 8.0):
+            with pytest.raises(ValueError, match=name):
+                BlockSizes(tokens_fwd=4, stack_tokens=True, **{name: bad})
     for bad in (0, 3, -2, True, 2.0):
         with pytest.raises(ValueError, match="tokens_fwd"):
             BlockSizes(tokens_fwd=bad)
@@ -379,17 +424,20 @@ def test_gpu_against_reference(dtype, h, d_k, d_v, T):
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("tokens,d_k,T,stack,warps", [
-    (4, 128, 1024, False, 4), (8, 192, 1000, False, 4), (2, 128, 768, False, 4),
-    (2, 128, 768, True, 4), (4, 128, 1024, True, 4), (4, 128, 1024, True, 8),
-    (8, 192, 1000, True, 8)])
-def test_gpu_token_tiles_against_reference(tokens, d_k, T, stack, warps):
+@pytest.mark.parametrize("tokens,d_k,T,stack,warps,max_union", [
+    (4, 128, 1024, False, 4, None), (8, 192, 1000, False, 4, None),
+    (2, 128, 768, False, 4, None), (2, 128, 768, True, 4, None), (4, 128, 1024, True, 4, None),
+    (4, 128, 1024, True, 8, None), (8, 192, 1000, True, 8, None), (4, 128, 1024, True, 2, 12),
+    (4, 192, 1000, True, 2, 12)])
+def test_gpu_token_tiles_against_reference(tokens, d_k, T, stack, warps, max_union):
     """Token tiles compiled, loaded once or stacked (T 1000: a tile of 8 shrinks to 8, the last
-    block partial)."""
+    block partial); with `max_union`, the early tiles (unions of at most 12 of the 16 blocks)
+    stacked on 4 warps and the others per token on `warps`."""
     inputs = make_inputs(9, 1, T, 64, 4, d_k, 128, 16, 64, jnp.bfloat16)
+    split = {} if max_union is None else dict(stack_max_union=max_union, num_warps_stack=4)
     check_against_reference(*inputs, 64, interpret=False, block_sizes=BlockSizes(
         dkv_chunk=256, tokens_fwd=tokens, tokens_dq=tokens, num_warps_fwd=warps,
-        num_warps_dq=warps, stack_tokens=stack))
+        num_warps_dq=warps, stack_tokens=stack, **split))
 
 
 @gpu
