@@ -143,8 +143,9 @@ def stage_functions(cfg, options) -> dict[str, tuple[Callable, Callable, bool]]:
     }
 
 
-def prepare(cfg, args, S: int, seed: int, options) -> dict[str, Any]:
-    """One input set: the core's inputs and every intermediate a later stage reads."""
+def prepare(cfg, args, S: int, seed: int, options, forced=None) -> dict[str, Any]:
+    """One input set: the core's inputs and every intermediate a later stage reads. forced: the
+    workload's block_idx `[B, S, G, n_sel]` (None: the inputs' own selection)."""
     import jax
     import nsa_jax
 
@@ -157,7 +158,6 @@ def prepare(cfg, args, S: int, seed: int, options) -> dict[str, Any]:
     block_idx = nsa_jax.select_blocks(q, k_cmp, cfg, lse=lse, **kw)
     # A forced workload replaces the selection in the selected and core stages (as the core's
     # `block_idx=` does); the select stage still ranks the random inputs' blocks.
-    forced = workloads.prefill_block_idx(args, cfg, args.B, S)
     if forced is not None:
         block_idx = jax.numpy.asarray(forced, jax.numpy.int32)
     jax.block_until_ready(block_idx)
@@ -176,10 +176,12 @@ def run(args) -> list[dict[str, Any]]:
     commit = common.git_commit()[:12]
     records = []
     for S in args.S:
+        forced = workloads.prefill_block_idx(args, cfg, args.B, S)  # drawn once for the variants
         for name, fields in args.variants:
             options = pallas_options(fields)
             try:
-                sets = [prepare(cfg, args, S, seed, options) for seed in range(args.rotate)]
+                sets = [prepare(cfg, args, S, seed, options, forced)
+                        for seed in range(args.rotate)]
             except Exception as exc:  # a variant that does not compile is a row, not a crash
                 record = dict(variant=name, stage="prepare", S=S, device=device, commit=commit,
                               workload=args.workload,

@@ -32,7 +32,6 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from nsa_common import NSAConfig, overlap_by_offset
 from nsa_jax.xla import cudnn
@@ -81,18 +80,6 @@ class PallasOptions:
     shapes, else the Pallas window kernel; False runs the kernel (whose lse is available to
     callers of `pallas_kernels.window_attention`).
     window_blocks: the window kernel's tiles (None: the architecture's).
-    token_tile_overlap: from T = 32k (`TOKEN_TILE_MIN_T`), where `selected_blocks` is None on
-    sm90's profile (not in interpret mode), the selected branch runs the kernel with token tiles
-    of 2 (`tokens_fwd = tokens_dq = 2`: a program loads each block two neighbouring queries share
-    once) when the selection's `selection_overlap` (the mean share of blocks consecutive queries
-    share) is at least this value, else the one-token kernel; both are compiled and `lax.cond`
-    picks one per call. On an H100 (bench preset) the tiles alone lost 4-5% on random
-    selections (overlap 0.2), tied or won at 0.6 and won at 0.8; with the choice in the core at
-    64k: random selections unchanged (110.6 against 111.0 ms forward+backward), coherent ones
-    (overlap 0.8) 7.5% / 3.6% faster forward / forward+backward. At 8k the choice itself (a
-    conditional, which XLA's GPU runtime decides on the host) cost 0.5 ms of a 10.5 ms forward+
-    backward on random selections, so shorter sequences keep one token (bench/RESULTS.md,
-    "Selection workloads"). None: always one token.
     """
 
     interpret: Optional[bool] = None
@@ -106,15 +93,10 @@ class PallasOptions:
     window_cudnn: bool = True
     fa3: bool = True
     cudnn_kernel: bool = True
-    token_tile_overlap: Optional[float] = 0.5
 
     def __post_init__(self) -> None:
         if self.window_kernel is not None and not isinstance(self.window_kernel, bool):
             raise ValueError(f"window_kernel ({self.window_kernel!r}) must be None or a bool")
-        t = self.token_tile_overlap
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                              or not 0 <= t <= 1):
-            raise ValueError(f"token_tile_overlap ({t!r}) must be None or a number in [0, 1]")
 
     def resolve_interpret(self) -> bool:
         if self.interpret is not None:
@@ -129,8 +111,6 @@ class PallasOptions:
 
 
 DEFAULT_OPTIONS = PallasOptions()
-# The shortest sequence on which `token_tile_overlap` applies (PallasOptions).
-TOKEN_TILE_MIN_T = 32768
 # The shortest sequence on which the alignment loss's `selected_importance` runs the Pallas
 # kernels; shorter ones decline to XLA. On an H200 (bench preset, one layer, the sparse loss's
 # KL part forward+backward) the kernels took 9.78 ms at 8k against XLA's 7.07, and 45.9 at 32k
@@ -198,43 +178,9 @@ def sliding_window_attention(q, k, v, *, window, scale,
 def selected_attention(q, k, v, block_idx, *, block_size, scale,
                        options: Optional[PallasOptions] = None):
     options = options or DEFAULT_OPTIONS
-    interpret = options.resolve_interpret()
-    if (options.selected_blocks is not None or options.token_tile_overlap is None or interpret
-            or q.shape[1] < TOKEN_TILE_MIN_T or profiles.current().name != "sm90"):
-        return kernels.selected_attention(
-            q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
-            interpret=interpret)
-    return selected_attention_by_overlap(q, k, v, block_idx, block_size, scale,
-                                         threshold=options.token_tile_overlap,
-                                         interpret=interpret)
-
-
-def selection_overlap(block_idx: jax.Array) -> jax.Array:
-    """The mean share of blocks consecutive queries share, `|S_t & S_t+1| / n_sel` over every
-    (batch, query pair, KV head), a float32 scalar (0 for T < 2). block_idx int `[B, T, G,
-    n_sel]`, -1 padded; the forced blocks count."""
-    T, n = block_idx.shape[1], block_idx.shape[3]
-    if T < 2 or n == 0:
-        return jnp.float32(0)
-    a, b = block_idx[:, :-1], block_idx[:, 1:]
-    shared = jnp.sum((a[..., :, None] == b[..., None, :]) & (a >= 0)[..., None], axis=(-2, -1))
-    return jnp.mean(shared.astype(jnp.float32)) / n
-
-
-def selected_attention_by_overlap(q, k, v, block_idx, block_size, scale, *, threshold: float,
-                                  interpret: bool = False):
-    """The selected attention kernel with token tiles of 2 where `selection_overlap(block_idx)
-    >= threshold`, else with one token a program (the architecture's other tiles in both):
-    `lax.cond` runs one of the two, forward and backward."""
-    base = profiles.block_sizes("selected", q.dtype, q.shape[-1], v.shape[-1])
-    tiled = dataclasses.replace(base, tokens_fwd=2, tokens_dq=2)
-
-    def run(block_sizes):
-        return lambda q, k, v, idx: kernels.selected_attention(
-            q, k, v, idx, block_size, scale, block_sizes=block_sizes, interpret=interpret)
-
-    return jax.lax.cond(selection_overlap(block_idx) >= threshold, run(tiled), run(base),
-                        q, k, v, block_idx)
+    return kernels.selected_attention(
+        q, k, v, block_idx, block_size, scale, block_sizes=options.selected_blocks,
+        interpret=options.resolve_interpret())
 
 
 def selected_block_mass(q, k, block_idx, *, block_size, scale, q_chunk, kv_blocks,

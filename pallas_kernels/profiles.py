@@ -106,7 +106,16 @@ _SM90 = {
                              (_ANY, CompressedBlockSizes(block_q_dq=64))),
                    "float32": ((_ANY, FLOAT32_COMPRESSED_BLOCK_SIZES),)},
     "select": {"16bit": ((_ANY, SelectBlockSizes()),)},
-    "selected": {"16bit": ((_ANY, SelectedBlockSizes()),)},
+    # Heads up to 128: tiles of 4 queries stacked where their union holds at most 32 blocks,
+    # else one query a program (on an H200 at 8k, 10% / 6% faster forward / forward+backward on
+    # a trained model's fitted selection, level on random ones; bench/RESULTS.md, Selection
+    # workloads); `selected_attention` takes fewer tokens a tile where the group's heads fill
+    # more than 64 rows. Wider heads and float32: one query a program (not timed stacked).
+    "selected": {"16bit": ((256, SelectedBlockSizes(tokens_fwd=4, tokens_dq=4,
+                                                    stack_tokens=True, stack_max_union=32,
+                                                    num_warps_stack=4)),
+                           (_ANY, SelectedBlockSizes())),
+                 "float32": ((_ANY, SelectedBlockSizes()),)},
     "decode": {"16bit": ((_ANY, DecodeBlockSizes()),)},
     # Sliding window: the defaults up to d 128 with dk/dv from transposed scores (the
     # transposed-operand form at 64 x 64 tiles, 8 warps, 2 stages returned a wrong bf16 dk on

@@ -888,13 +888,30 @@ def _validate(q, k, v, block_idx, block_size) -> _Geometry:
                      l_sel=block_size)
 
 
-def _default_block_sizes(q, v, block_sizes: BlockSizes | None) -> BlockSizes:
-    """`block_sizes`, or the tiles of this GPU architecture and head dims (`profiles`);
-    NotImplementedError where it has none for them."""
+# The most query rows a default stacked tile holds (P tokens x the group's padded heads): the
+# tile the stacked kernels were timed with (4 tokens of 16 heads, 4 warps).
+STACK_ROWS = 64
+
+
+def _default_block_sizes(q, k, v, block_sizes: BlockSizes | None) -> BlockSizes:
+    """`block_sizes`, or the tiles of this GPU architecture and head dims (`profiles`), a
+    stacked tile cut to at most `STACK_ROWS` rows (one token a program where a group's heads
+    fill them); NotImplementedError where it has none for them."""
     if block_sizes is not None:
         return block_sizes
     from pallas_kernels import profiles
-    return profiles.block_sizes("selected", q.dtype, q.shape[-1], v.shape[-1])
+    bs = profiles.block_sizes("selected", q.dtype, q.shape[-1], v.shape[-1])
+    h_pad = matmul_dim(q.shape[2] // k.shape[2])
+    tokens = max(bs.tokens_fwd, bs.tokens_dq)
+    if not bs.stack_tokens or tokens * h_pad <= STACK_ROWS:
+        return bs
+    fit = STACK_ROWS // h_pad
+    if fit < 2:
+        return dataclasses.replace(bs, tokens_fwd=1, tokens_dq=1, stack_tokens=False,
+                                   stack_max_union=None, num_warps_stack=None)
+    max_union = None if bs.stack_max_union is None else bs.stack_max_union * fit // tokens
+    return dataclasses.replace(bs, tokens_fwd=min(bs.tokens_fwd, fit),
+                               tokens_dq=min(bs.tokens_dq, fit), stack_max_union=max_union)
 
 
 def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None = None, *,
@@ -923,7 +940,7 @@ def selected_attention(q, k, v, block_idx, block_size: int, scale: float | None 
     if implementation == "triton":
         check_kernel_dtype("selected_attention", q.dtype)
         # Resolved here, outside the jit: its cache key then holds the architecture's tiles.
-        block_sizes = _default_block_sizes(q, v, block_sizes)
+        block_sizes = _default_block_sizes(q, k, v, block_sizes)
     return _selected_attention_jit(q, k, v, block_idx, block_size, scale,
                                    block_sizes=block_sizes, interpret=interpret, debug=debug,
                                    implementation=implementation)
@@ -964,7 +981,7 @@ def selected_attention_stages(q, k, v, block_idx, block_size: int, scale: float 
                               interpret: bool = False) -> Stages:
     """The stages of `selected_attention`'s forward and backward for these shapes (the arrays
     are only read for their shapes and dtypes, and `block_idx` is bound into the stages)."""
-    bs = _default_block_sizes(q, v, block_sizes)
+    bs = _default_block_sizes(q, k, v, block_sizes)
     geo = dataclasses.replace(_validate(q, k, v, block_idx, block_size), split_dk=bs.split_dk)
     scale = 1.0 / math.sqrt(geo.d_k) if scale is None else float(scale)
     rest = (geo, scale, bs, interpret, False)

@@ -103,7 +103,7 @@ def selected_block_mass(q, k, block_idx, block_size: int, scale: float | None = 
     if implementation == "xla":
         return lax.stop_gradient(selected_block_mass_reference(q, k, block_idx, block_size, scale))
     check_kernel_dtype("selected_block_mass", q.dtype)
-    block_sizes = _default_block_sizes(q, k, block_sizes)
+    block_sizes = _default_block_sizes(q, k, k, block_sizes)
     return _block_mass_jit(q, k, block_idx, block_size, scale, block_sizes, interpret)
 
 

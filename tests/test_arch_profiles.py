@@ -81,8 +81,16 @@ def test_sm90_keeps_the_tuned_tiles():
     for d_k, d_v in ((128, 128), (192, 128), (256, 256), (512, 512)):
         assert sm90.block_sizes("compressed", jnp.float32, d_k, d_v) == FLOAT32_BLOCK_SIZES
         assert sm90.block_sizes("select", jnp.bfloat16, d_k) == SelectBlockSizes()
-        assert sm90.block_sizes("selected", jnp.float16, d_k, d_v) == SelectedBlockSizes()
+        assert sm90.block_sizes("selected", jnp.float32, d_k, d_v) == SelectedBlockSizes()
         assert sm90.block_sizes("decode", jnp.bfloat16, d_k, d_v) == decode.DecodeBlockSizes()
+    # selected attention: tiles of 4 stacked by union size up to d 128, else one token
+    stacked = SelectedBlockSizes(tokens_fwd=4, tokens_dq=4, stack_tokens=True,
+                                 stack_max_union=32, num_warps_stack=4)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        for d_k, d_v in ((128, 128), (64, 64), (128, 64)):
+            assert sm90.block_sizes("selected", dtype, d_k, d_v) == stacked
+        for d_k, d_v in ((192, 128), (256, 256), (512, 512)):
+            assert sm90.block_sizes("selected", dtype, d_k, d_v) == SelectedBlockSizes()
 
 
 @pytest.mark.parametrize("name", ["sm80", "sm86", "sm89"])

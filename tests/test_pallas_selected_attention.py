@@ -5,7 +5,6 @@ CPU runs the kernels in interpret mode on small shapes; the `gpu` tests compile 
 and skip without one. Tolerances (spec): relative L2 error, float32 <= 1e-5 outputs / 1e-4
 gradients, bfloat16 / float16 <= 1e-2, against a float32 reference on the same (rounded) inputs.
 """
-import functools
 import importlib
 
 import numpy as np
@@ -326,55 +325,6 @@ def test_token_tile_sizes_are_checked():
             BlockSizes(tokens_dq=bad)
 
 
-def numpy_overlap(block_idx) -> float:
-    """Mean |S_t & S_t+1| / n_sel over (batch, query pair, KV head), by sets."""
-    idx = np.asarray(block_idx)
-    B, T, G, n = idx.shape
-    shared = [len({int(x) for x in idx[b, t, g] if x >= 0} & {int(x) for x in idx[b, t + 1, g]})
-              for b in range(B) for t in range(T - 1) for g in range(G)]
-    return float(np.mean(shared)) / n
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def by_overlap_and_reference(threshold, l_sel, interpret, q, k, v, idx, do):
-    """(o, dq, dk, dv) of `selected_attention_by_overlap` and of the float32 reference."""
-    from nsa_jax.pallas_backend import selected_attention_by_overlap
-
-    o, pullback = jax.vjp(lambda q, k, v: selected_attention_by_overlap(
-        q, k, v, idx, l_sel, None, threshold=threshold, interpret=interpret), q, k, v)
-    o_ref, pullback_ref = jax.vjp(lambda q, k, v: selected_attention_reference(
-        q, k, v, idx, l_sel), *(x.astype(jnp.float32) for x in (q, k, v)))
-    return (o, *pullback(do.astype(o.dtype))), (o_ref, *pullback_ref(do))
-
-
-def coherent_selection(block_idx):
-    """block_idx with every odd query repeating its even neighbour's list (valid: the blocks
-    of t - 1 start at or before t)."""
-    return block_idx.at[:, 1::2].set(block_idx[:, 0::2])
-
-
-def test_token_tiles_chosen_by_overlap():
-    """`selected_attention_by_overlap`: the overlap statistic against sets, and both branches
-    (threshold 0: the tiles of 2 whatever the selection; 1: one token unless every list
-    repeats) against the reference, on a random selection and on one whose odd queries repeat
-    their even neighbour's list."""
-    from nsa_jax.pallas_backend import selection_overlap
-
-    l_sel = 8
-    q, k, v, block_idx, cotangent = make_inputs(52, 1, 60, 8, 2, 16, 8, 4, l_sel, jnp.float32)
-    coherent = coherent_selection(block_idx)
-    stats = [float(selection_overlap(idx)) for idx in (block_idx, coherent)]
-    for got, idx in zip(stats, (block_idx, coherent)):
-        assert got == pytest.approx(numpy_overlap(idx), rel=1e-6)
-    assert stats[0] < stats[1] < 1
-
-    for threshold in (0.0, 1.0):
-        for idx in (block_idx, coherent):
-            got, want = by_overlap_and_reference(threshold, l_sel, True, q, k, v, idx, cotangent)
-            for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
-                assert rel_err(a, b) <= (1e-5 if name == "o" else 1e-4), (threshold, name)
-
-
 def test_stacked_tiles_through_the_public_call():
     """The stacked tiles as docs/API.md gives them to a user (`PallasOptions.selected_blocks`
     through `nsa_jax.selected_attention`), forward and gradients against the reference."""
@@ -397,12 +347,26 @@ def test_stacked_tiles_through_the_public_call():
         assert rel_err(a, b) <= (1e-5 if name == "o" else 1e-4), name
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5"])
-def test_token_tile_overlap_is_checked(bad):
-    from nsa_jax import PallasOptions
+def test_default_stacked_tile_fits_the_group_rows(monkeypatch):
+    """The architecture's stacked tile (sm90: 4 tokens of up to 16 heads) holds at most
+    `STACK_ROWS` query rows: 2 tokens of 32 heads (half the union bound), one token a program
+    from 64 heads; a caller's own block sizes are kept as given."""
+    sa = importlib.import_module("pallas_kernels.selected_attention")
+    from pallas_kernels import profiles
 
-    with pytest.raises(ValueError, match="token_tile_overlap"):
-        PallasOptions(token_tile_overlap=bad)
+    monkeypatch.setenv("NSA_PROFILE", "sm90")
+    x = lambda H: jnp.zeros((1, 8, H, 128), jnp.bfloat16)  # noqa: E731
+    base = profiles.block_sizes("selected", jnp.bfloat16, 128, 128)
+    assert (base.tokens_fwd, base.stack_tokens, base.stack_max_union) == (4, True, 32)
+    assert sa._default_block_sizes(x(16), x(1), x(1), None) == base
+    two = sa._default_block_sizes(x(32), x(1), x(1), None)
+    assert (two.tokens_fwd, two.tokens_dq, two.stack_tokens, two.stack_max_union) == \
+        (2, 2, True, 16)
+    one = sa._default_block_sizes(x(64), x(1), x(1), None)
+    assert (one.tokens_fwd, one.tokens_dq, one.stack_tokens, one.stack_max_union,
+            one.num_warps_stack) == (1, 1, False, None, None)
+    mine = BlockSizes(tokens_fwd=8, tokens_dq=8, stack_tokens=True)
+    assert sa._default_block_sizes(x(32), x(1), x(1), mine) is mine
 
 
 # --- GPU: the compiled Triton kernels -----------------------------------------------------------
@@ -442,16 +406,16 @@ def test_gpu_token_tiles_against_reference(tokens, d_k, T, stack, warps, max_uni
 
 @gpu
 @needs_gpu
-def test_gpu_token_tiles_chosen_by_overlap():
-    """The dispatch's two branches compiled (threshold 0: tiles of 2; 1: one token), bf16, the
-    bench preset's heads, on a random and on a coherent selection."""
-    q, k, v, block_idx, cotangent = make_inputs(10, 1, 1024, 64, 4, 128, 128, 16, 64,
+@pytest.mark.parametrize("workload", ["random", "coherent"])
+def test_gpu_default_tiles_against_reference(workload):
+    """The architecture's own tiles (on sm90: tiles of 4 stacked where their union holds at
+    most 32 blocks, else one token a program), bf16, the bench preset's heads, on a random
+    selection and on one whose odd queries repeat their even neighbour's list."""
+    q, k, v, block_idx, cotangent = make_inputs(10, 1, 4096, 64, 4, 128, 128, 16, 64,
                                                 jnp.bfloat16)
-    for threshold in (0.0, 1.0):
-        for idx in (block_idx, coherent_selection(block_idx)):
-            got, want = by_overlap_and_reference(threshold, 64, False, q, k, v, idx, cotangent)
-            for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
-                assert rel_err(a, b) <= 1e-2, (threshold, name)
+    if workload == "coherent":
+        block_idx = block_idx.at[:, 1::2].set(block_idx[:, 0::2])
+    check_against_reference(q, k, v, block_idx, cotangent, 64, interpret=False)
 
 
 @gpu
@@ -526,5 +490,8 @@ def test_lowers_to_triton_on_any_host(B, T, H, G, d_k, d_v, l_sel, n_sel, dtype)
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     lowered = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # Forward, dq, dk/dv and the dk/dv reduction are four Triton custom calls.
-    assert lowered.count("xla.gpu.triton") == 4
+    # Forward, dq, dk/dv and the dk/dv reduction are four Triton custom calls; tiles split by
+    # union size launch the forward and dq twice (per token, stacked).
+    sa = importlib.import_module("pallas_kernels.selected_attention")
+    split = sa._default_block_sizes(*args[:3], None).stack_max_union is not None
+    assert lowered.count("xla.gpu.triton") == 4 + 2 * split
