@@ -9,7 +9,9 @@ the token's `n_sel` selected blocks read from `block_idx`, loads each `[l_sel, d
 dynamic slice, cuts the keys `> t`, and keeps an online softmax in float32. It writes `o` and the
 natural log-sum-exp `lse [B, T, H]`. A program can instead take a tile of consecutive tokens
 (`BlockSizes.tokens_fwd` / `tokens_dq`): loading the blocks they share once, or, with
-`stack_tokens`, stacking their rows over the union of their blocks.
+`stack_tokens`, stacking their rows over the union of their blocks; with `stack_max_union`, only
+the tiles with small unions are stacked and the per-token kernel takes the others (sm90's
+default, `pallas_kernels.profiles`).
 
 Backward: `dq` mirrors the forward (p recomputed from lse, `delta = rowsum(o * do)` from XLA).
 `dk, dv` are deterministic, without atomics: XLA inverts `block_idx` into, per (batch, KV head),
