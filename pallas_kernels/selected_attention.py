@@ -79,8 +79,9 @@ class BlockSizes:
         product over every row, a row masked where its token did not select the block
         (`_fwd_stack_kernel`). Fewer block loads and full-height products, at the cost of
         products for rows that mask the block out (the union over P tokens against each token's
-        n_sel). Opt-in: faster only where neighbouring queries share most blocks, at P 4 on 4
-        warps (bench/RESULTS.md, Selection workloads).
+        n_sel). On every tile, faster only where neighbouring queries share most blocks (P 4 on
+        4 warps); sm90's default stacks only the tiles whose union is small (`stack_max_union`;
+        bench/RESULTS.md, Selection workloads).
       stack_max_union: with stack_tokens, a tile whose union holds more than this many blocks
         runs on the per-token kernel instead: each forward / dq pass launches the per-token
         kernel (on `num_warps_fwd` / `num_warps_dq`), whose programs skip the stacked tiles'
@@ -645,7 +646,8 @@ def _launch_tiles(kernels: tuple, *, name: str, geo: _Geometry, bs: BlockSizes, 
         head_specs, tail_specs, out_specs = specs(tokens)
         n_in = len(pre) + len(head) + len(extra) + len(tail)
         return pallas_call(
-            functools.partial(kernel, **kwargs), name=name, num_warps=warps,
+            functools.partial(kernel, **kwargs), name=name + ("_stacked" if extra else ""),
+            num_warps=warps,
             num_stages=num_stages, interpret=interpret, debug=debug,
             grid=(geo.T // tokens, geo.G, geo.B),
             in_specs=[*pre_specs, *head_specs, *extra_specs, *tail_specs,
