@@ -669,7 +669,7 @@ def _launch_tiles(kernels: tuple, *, name: str, geo: _Geometry, bs: BlockSizes, 
     count = jnp.sum(union >= 0, axis=-1, dtype=jnp.int32)[..., None]   # [B, T / P, G, 1]
     P, n_out = tokens, len(out_shape)
     count_spec = lambda P_spec: pl.BlockSpec(
-        (None, None, None, 1), lambda t, g, b: (b, lax.div(t, P_spec), g, 0))
+        (None, None, None, 1), lambda t, g, b: (b, t // P_spec, g, 0))
     split = functools.partial(_split_by_union, max_union=bs.stack_max_union, n_out=n_out)
     per_token = launch(split(kernels[0], stacked=False, aliased=False), 1, num_warps,
                        pre=[count], pre_specs=[count_spec(P)])
