@@ -107,10 +107,10 @@ _SM90 = {
                    "float32": ((_ANY, FLOAT32_COMPRESSED_BLOCK_SIZES),)},
     "select": {"16bit": ((_ANY, SelectBlockSizes()),)},
     # Heads up to 128: tiles of 4 queries stacked where their union holds at most 32 blocks,
-    # else one query a program (on an H200 at 8k, 10% / 6% faster forward / forward+backward on
-    # a trained model's fitted selection, level on random ones; bench/RESULTS.md, Selection
-    # workloads); `selected_attention` takes fewer tokens a tile where the group's heads fill
-    # more than 64 rows. Wider heads and float32: one query a program (not timed stacked).
+    # else one query a program (on an H200, the selected kernel 9-12% / 8% faster forward /
+    # forward+backward at 8k and 64k on a trained model's fitted selection, the core on random
+    # ones within 3%; bench/RESULTS.md, Selection workloads); `selected_attention` takes fewer
+    # tokens a tile where the group's heads fill more than 64 rows. Wider heads and float32: one query a program (not timed stacked).
     "selected": {"16bit": ((256, SelectedBlockSizes(tokens_fwd=4, tokens_dq=4,
                                                     stack_tokens=True, stack_max_union=32,
                                                     num_warps_stack=4)),
