@@ -15,7 +15,9 @@ head-size limit is 128 off sm90), else the Pallas kernel.
 XLA's chunked paths run only where a kernel declines. The window follows the same order on a
 GPU (`PallasOptions.window_kernel`, default on there); in interpret mode, or with
 `window_kernel=False`, this adapter declines it and backend `"xla"` runs it (FA-3, cuDNN or its
-chunked path, by `options["xla"]`).
+chunked path, by `options["xla"]`). The selected branch runs `pallas_kernels.selected_attention`
+with the architecture's tiles (`PallasOptions.selected_blocks` None; on sm90, tiles of 4 queries
+stacked where their blocks' union is small, chosen per tile on the GPU).
 
 Decode (`pallas_kernels.decode`): a decode step runs `decode_attention`: the compressed kernel,
 a selection kernel that turns its scores into the blocks' scores (head sums, overlap weights,
