@@ -858,3 +858,31 @@ def test_breakdown_forces_a_workload_on_each_variant(tmp_path, cpu_env):
     assert sorted((r["variant"], r["pass"]) for r in rows) == [
         ("base", "fwd"), ("base", "fwd_bwd"), ("t4", "fwd"), ("t4", "fwd_bwd")]
     assert all(r["status"] == "ok" and r["workload"] == "coherent" for r in rows), rows
+
+
+@pytest.mark.parametrize("what,extra", [
+    ("selected", ["--tiles", "default"]), ("selected", ["--tiles", "per_token"]),
+    ("selected", ["--tiles", "stacked", "--workload", "coherent"]), ("decode", ["--B", "2"]),
+    ("fa3", [])])
+def test_profile_once_cpu_smoke(cpu_env, capsys, what, extra):
+    """The call `bench/profile_once.py` hands to Nsight Compute runs on a CPU (no profiler
+    there); FA-3 says it is skipped."""
+    from bench import profile_once
+
+    code = profile_once.main([what, "--S", "64", "--H", "4", "--G", "2", "--d_model", "32",
+                              *TINY_NSA[:-1], *extra])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert ("skipped: flash_attn3_jax" in out) if what == "fa3" else \
+        f"profiled one call of {what} (S 64" in out
+
+
+def test_profile_once_rejects_bad_arguments():
+    from bench import profile_once
+
+    with pytest.raises(ValueError, match="--tiles"):
+        profile_once.parse_args(["fa3", "--tiles", "stacked", "--device", "cpu"])
+    with pytest.raises(ValueError, match="--B"):
+        profile_once.parse_args(["decode", "--B", "0", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        profile_once.parse_args(["window", "--device", "cpu"])
