@@ -2,10 +2,10 @@
 cudaProfilerStop, for Nsight Compute's counters (`ncu --profile-from-start off`).
 
 what:
-  selected   the selected-attention branch's forward and backward (`nsa_jax.selected_attention`
-             with backend "pallas") on the --workload's blocks (random: the selection of random
-             q / k), with --tiles: the architecture's (default), one query a program
-             (per_token), or tiles of 4 stacked on every tile (stacked)
+  selected   the selected-attention branch's forward and backward: the inputs and call of
+             breakdown_prefill.py's `selected` stage (the --workload's blocks; random: the
+             core's own selection of random inputs), with --tiles: the architecture's
+             (default), one query a program (per_token), or tiles of 4 stacked on every tile
   fa3        FlashAttention-3's causal forward and backward on the same q / k / v shapes
   decode     a jitted loop of two decode steps (`bench_decode.decode_loop`) at S, batch --B
 
@@ -62,50 +62,45 @@ def parse_args(argv=None):
     return args
 
 
-def selected_options(tiles: str):
-    """The `options` of `nsa_jax.selected_attention` for --tiles."""
-    if tiles == "default":
-        return None
-    from nsa_jax import PallasOptions
-    from pallas_kernels.selected_attention import BlockSizes
-
-    blocks = BlockSizes() if tiles == "per_token" else BlockSizes(
-        tokens_fwd=4, tokens_dq=4, stack_tokens=True, num_warps_fwd=4, num_warps_dq=4)
-    return {"pallas": PallasOptions(selected_blocks=blocks)}
+# --tiles -> the selected kernel's BlockSizes fields (`breakdown_prefill.pallas_options`).
+TILE_FIELDS = {
+    "default": {},
+    "per_token": {"selected": {}},
+    "stacked": {"selected": dict(tokens_fwd=4, tokens_dq=4, stack_tokens=True, num_warps_fwd=4,
+                                 num_warps_dq=4)},
+}
 
 
 def prefill_call(args):
-    """(jitted call, its arguments) of 'selected' or 'fa3': forward and backward in one."""
+    """(jitted call, its arguments) of 'selected' or 'fa3': forward and backward in one. The
+    selected branch takes the inputs and the call of breakdown_prefill.py's `selected` stage."""
     import jax
-    import jax.numpy as jnp
-    import nsa_jax
+
+    from bench import breakdown_prefill
 
     cfg, B, S = args.cfg, args.B, args.S
     dtype = common.jnp_dtype(args.dtype)
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q = jax.random.normal(keys[0], (B, S, cfg.n_heads, cfg.d_k), dtype)
-    k = jax.random.normal(keys[1], (B, S, cfg.n_kv_heads, cfg.d_k), dtype)
-    v = jax.random.normal(keys[2], (B, S, cfg.n_kv_heads, cfg.d_v), dtype)
-    do = jax.random.normal(keys[3], (B, S, cfg.n_heads, cfg.d_v), dtype)
+    do = jax.random.normal(jax.random.PRNGKey(1), (B, S, cfg.n_heads, cfg.d_v), dtype)
     if args.what == "fa3":
         try:
             from flash_attn3_jax import flash_mha
         except ImportError as exc:
             raise common.Skip(f"flash_attn3_jax not importable ({exc})") from None
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        inputs = (jax.random.normal(keys[0], (B, S, cfg.n_heads, cfg.d_k), dtype),
+                  jax.random.normal(keys[1], (B, S, cfg.n_kv_heads, cfg.d_k), dtype),
+                  jax.random.normal(keys[2], (B, S, cfg.n_kv_heads, cfg.d_v), dtype))
         attend = functools.partial(flash_mha, is_causal=True)
     else:
+        options = breakdown_prefill.pallas_options(TILE_FIELDS[args.tiles])
         forced = workloads.prefill_block_idx(args, cfg, B, S)
-        if forced is None:
-            kw = dict(backend=("pallas", "xla"))
-            k_cmp = nsa_jax.compress_kv(k, None, cfg.replace(compress="mean"), **kw)
-            block_idx = nsa_jax.select_blocks(q, k_cmp, cfg.replace(compress="mean"), **kw)
-        else:
-            block_idx = jnp.asarray(forced, jnp.int32)
-        options = selected_options(args.tiles)
-        attend = functools.partial(nsa_jax.selected_attention, block_idx=block_idx,
-                                   block_size=cfg.sel_block, backend="pallas", options=options)
+        prepared = breakdown_prefill.prepare(cfg, args, S, 0, options, forced)
+        fn, pick, _ = breakdown_prefill.stage_functions(cfg, options)["selected"]
+        q, k, v, block_idx = pick(prepared)
+        inputs = (q, k, v)
+        attend = lambda q, k, v: fn(q, k, v, block_idx)  # noqa: E731
     call = jax.jit(lambda q, k, v, do: jax.vjp(attend, q, k, v)[1](do))
-    return call, (q, k, v, do)
+    return call, (*inputs, do)
 
 
 def decode_call(args):
