@@ -6,6 +6,7 @@ and skip without one. Tolerances (spec): relative L2 error, float32 <= 1e-5 outp
 gradients, bfloat16 / float16 <= 1e-2, against a float32 reference on the same (rounded) inputs.
 """
 import importlib
+import types
 
 import numpy as np
 import pytest
@@ -29,6 +30,7 @@ TOLERANCE = {  # dtype -> (outputs, gradients)
     jnp.float16: (1e-2, 1e-2),
 }
 
+sa = importlib.import_module("pallas_kernels.selected_attention")  # the module, not the function
 ON_GPU = jax.devices()[0].platform == "gpu"
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -87,6 +89,23 @@ def check_against_reference(q, k, v, block_idx, cotangent, l_sel, *, interpret,
 def test_float32_every_group_size(h, B, G, T):
     inputs = make_inputs(h, B, T, h * G, G, 16, 8, 4, 16, jnp.float32)
     check_against_reference(*inputs, 16, interpret=True, block_sizes=BlockSizes(dkv_chunk=5))
+
+
+# The default dk/dv work item: 2 * n_sel * l_sel queries, cut to max(DKV_MIN_CHUNK, T / 16) at
+# short T; with the limits scaled down, a run on the default cuts block lists into several items.
+def test_default_dkv_chunk(monkeypatch):
+    geo = lambda T, n_sel=16, l_sel=64: types.SimpleNamespace(T=T, n_sel=n_sel, l_sel=l_sel)  # noqa: E731
+    chunk = lambda g: sa._dkv_chunk(g, BlockSizes())  # noqa: E731
+    assert [chunk(geo(T)) for T in (4096, 8192, 16384, 32768, 65536)] == [512, 512, 1024, 2048,
+                                                                           2048]
+    assert chunk(geo(8192, n_sel=4, l_sel=32)) == 256  # uncut: 2 * n_sel * l_sel is smaller
+    assert chunk(geo(300)) == 300  # at most T
+    assert sa._dkv_chunk(geo(8192), BlockSizes(dkv_chunk=100)) == 100
+    monkeypatch.setattr(sa, "DKV_MIN_CHUNK", 4)
+    monkeypatch.setattr(sa, "DKV_ITEMS_PER_LIST", 8)
+    assert chunk(geo(45, n_sel=4, l_sel=16)) == 5
+    inputs = make_inputs(7, 2, 45, 4, 2, 16, 8, 4, 16, jnp.float32)
+    check_against_reference(*inputs, 16, interpret=True, block_sizes=BlockSizes())
 
 
 # Half precision: bfloat16 at the smallest and the matrix-unit group size, float16 once.
@@ -273,7 +292,6 @@ def test_stacked_tiles_split_by_union_size(monkeypatch):
     the stacked kernel, the others by the per-token kernel (both replaced by kernels that write
     their own mark, forward and dq); and the split against the reference, forward and
     gradients, on tiles of 4 (dq: 2) whose union sizes span the threshold."""
-    sa = importlib.import_module("pallas_kernels.selected_attention")  # the module, not the call
     B, T, H, G, d, n_sel, l_sel, P = 2, 60, 8, 2, 48, 4, 8, 4
     inputs = make_inputs(34, B, T, H, G, d, 8, n_sel, l_sel, jnp.float32)
     q, k, v, idx, do = inputs
@@ -351,7 +369,6 @@ def test_default_stacked_tile_fits_the_group_rows(monkeypatch):
     """The architecture's stacked tile (sm90: 4 tokens of up to 16 heads) holds at most
     `STACK_ROWS` query rows: 2 tokens of 32 heads (half the union bound), one token a program
     from 64 heads; a caller's own block sizes are kept as given."""
-    sa = importlib.import_module("pallas_kernels.selected_attention")
     from pallas_kernels import profiles
 
     monkeypatch.setenv("NSA_PROFILE", "sm90")
@@ -492,6 +509,5 @@ def test_lowers_to_triton_on_any_host(B, T, H, G, d_k, d_v, l_sel, n_sel, dtype)
     lowered = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     # Forward, dq, dk/dv and the dk/dv reduction are four Triton custom calls; tiles split by
     # union size launch the forward and dq twice (per token, stacked).
-    sa = importlib.import_module("pallas_kernels.selected_attention")
     split = sa._default_block_sizes(*args[:3], None).stack_max_union is not None
     assert lowered.count("xla.gpu.triton") == 4 + 2 * split
