@@ -94,8 +94,12 @@ def test_float32_every_group_size(h, B, G, T):
 # The default dk/dv work item: 2 * n_sel * l_sel queries, cut to max(DKV_MIN_CHUNK, T / 16) at
 # short T; with the limits scaled down, a run on the default cuts block lists into several items.
 def test_default_dkv_chunk(monkeypatch):
-    geo = lambda T, n_sel=16, l_sel=64: types.SimpleNamespace(T=T, n_sel=n_sel, l_sel=l_sel)  # noqa: E731
-    chunk = lambda g: sa._dkv_chunk(g, BlockSizes())  # noqa: E731
+    def geo(T, n_sel=16, l_sel=64):
+        return types.SimpleNamespace(T=T, n_sel=n_sel, l_sel=l_sel)
+
+    def chunk(g):
+        return sa._dkv_chunk(g, BlockSizes())
+
     assert [chunk(geo(T)) for T in (4096, 8192, 16384, 32768, 65536)] == [512, 512, 1024, 2048,
                                                                            2048]
     assert chunk(geo(8192, n_sel=4, l_sel=32)) == 256  # uncut: 2 * n_sel * l_sel is smaller
