@@ -11,7 +11,7 @@ what:
 
 Nsight Compute attaches to JAX's kernels only when JAX does not preallocate device memory, and
 command buffers (CUDA graphs) hide kernels from it; with these settings it profiled the selected
-kernels and FA-3 on an H200 (jax 0.11.2; the decode loop not yet):
+kernels, FA-3 and the decode loop on an H200 (jax 0.11.2):
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false \\
   XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \\

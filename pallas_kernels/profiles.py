@@ -110,7 +110,8 @@ _SM90 = {
     # else one query a program (on an H200, the selected kernel 9-12% / 8% faster forward /
     # forward+backward at 8k and 64k on a trained model's fitted selection, the core on random
     # ones within 3%; bench/RESULTS.md, Selection workloads); `selected_attention` takes fewer
-    # tokens a tile where the group's heads fill more than 64 rows. Wider heads and float32: one query a program (not timed stacked).
+    # tokens a tile where the group's heads fill more than 64 rows. Wider heads and float32: one
+    # query a program (not timed stacked).
     "selected": {"16bit": ((256, SelectedBlockSizes(tokens_fwd=4, tokens_dq=4,
                                                     stack_tokens=True, stack_max_union=32,
                                                     num_warps_stack=4)),

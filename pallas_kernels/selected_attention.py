@@ -649,8 +649,7 @@ def _launch_tiles(kernels: tuple, *, name: str, geo: _Geometry, bs: BlockSizes, 
         n_in = len(pre) + len(head) + len(extra) + len(tail)
         return pallas_call(
             functools.partial(kernel, **kwargs), name=name + ("_stacked" if extra else ""),
-            num_warps=warps,
-            num_stages=num_stages, interpret=interpret, debug=debug,
+            num_warps=warps, num_stages=num_stages, interpret=interpret, debug=debug,
             grid=(geo.T // tokens, geo.G, geo.B),
             in_specs=[*pre_specs, *head_specs, *extra_specs, *tail_specs,
                       *(out_specs if prior else ())],
